@@ -50,16 +50,19 @@ class BlockManager:
         seq.block_table = [self._take() for _ in range(self.num_blocks_needed(seq.num_tokens))]
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
-        """Whether `num_new_tokens` more tokens of `seq` fit, taking blocks if needed."""
-        needed = self.num_blocks_needed(seq.num_tokens + num_new_tokens) - len(seq.block_table)
-        return needed <= self.num_free_blocks
+        """Whether slots fit for `num_new_tokens` tokens computed past `seq.num_computed_tokens`."""
+        return self._num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> None:
-        """Grows `seq`'s block table to cover `num_new_tokens` more tokens."""
-        needed = self.num_blocks_needed(seq.num_tokens + num_new_tokens) - len(seq.block_table)
+        """Grows `seq`'s block table to hold `num_computed_tokens + num_new_tokens` tokens."""
+        needed = self._num_missing_blocks(seq, num_new_tokens)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"append_slots needs {needed} blocks, {self.num_free_blocks} free")
         seq.block_table.extend(self._take() for _ in range(needed))
+
+    def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        return max(0, total - len(seq.block_table))
 
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s reference to each of its blocks; unreferenced blocks become free."""

@@ -1,0 +1,46 @@
+"""Engine configuration: one frozen dataclass per concern, validated when built."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The KV block pool."""
+
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # blocks in the pool; overrides kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 2 << 30  # pool budget in bytes when num_kv_blocks is None
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
+                                               or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be an int >= 1, got {self.num_kv_blocks!r}")
+        if not isinstance(self.kv_cache_memory_bytes, int) or self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be an int >= 1, got {self.kv_cache_memory_bytes!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_model_len: int  # tokens per sequence, prompt and output together
+    max_num_seqs: int = 256 # sequences in one step
+    max_num_batched_tokens: int | None = None  # tokens in one step; default max(max_model_len, 2048)
+
+    def __post_init__(self):
+        for name in ("max_model_len", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", max(self.max_model_len, 2048))
+        # Without chunked prefill a whole prompt must fit in one step.
+        if (not isinstance(self.max_num_batched_tokens, int)
+                or self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an "
+                             f"int >= max_model_len={self.max_model_len}")

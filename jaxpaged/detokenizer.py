@@ -1,0 +1,38 @@
+"""Incremental detokenization: each new token's text, without re-decoding the whole output.
+
+Two offsets into the token list mark a short window: text already emitted ends at `read_offset`,
+and decoding starts a few tokens earlier, at `prefix_offset`, so that tokenizers whose text depends
+on the previous token (leading-space handling, byte-level merges) decode the new token in context.
+A delta that ends in U+FFFD is an incomplete multi-byte character and is held back until the bytes
+that complete it arrive.
+"""
+
+from __future__ import annotations
+
+_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for context
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str:
+        """Appends one token; returns the text it completes (possibly empty)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta

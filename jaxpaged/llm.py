@@ -1,0 +1,123 @@
+"""`LLM`: offline batched generation, shaped as vLLM's `vllm.LLM`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence as SequenceABC
+
+from tqdm.auto import tqdm
+
+from jaxpaged.config import CacheConfig
+from jaxpaged.llm_engine import LLMEngine
+from jaxpaged.model_store import resolve_model
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    """A model and its engine, for generating from Python.
+
+    Args:
+      model: None or "HuggingFaceTB/SmolLM2-135M-Instruct" for the embedded default model, or
+        the path of a local Hugging Face folder of a supported architecture (LlamaForCausalLM).
+      dtype: "auto" (float32 on CPU, bfloat16 on GPU), "float32", "bfloat16" or "float16".
+      max_model_len: tokens per sequence (prompt + output); default the model's
+        `max_position_embeddings`.
+      max_num_seqs: sequences per step.
+      max_num_batched_tokens: tokens per step; default max(max_model_len, 2048).
+      block_size: tokens per KV block.
+      num_kv_blocks: blocks in the KV pool; default: as many as `kv_cache_memory_bytes` holds.
+      kv_cache_memory_bytes: KV pool budget in bytes (default 2 GiB).
+      seed: seeds the per-request seeds of requests that set none.
+
+    Raises:
+      ValueError: an unknown model or an out-of-range setting, naming it.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
+                 seed: int = 0):
+        model_dir = resolve_model(model)
+        cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                                   kv_cache_memory_bytes=kv_cache_memory_bytes)
+        self.llm_engine = LLMEngine(model_dir, dtype=dtype, max_model_len=max_model_len,
+                                    max_num_seqs=max_num_seqs,
+                                    max_num_batched_tokens=max_num_batched_tokens,
+                                    cache_config=cache_config, seed=seed)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | SequenceABC[PromptType],
+                 sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates completions for all prompts, batched, and returns them in input order.
+
+        Args:
+          prompts: a str, a `{"prompt_token_ids": [...]}` dict, or a list of either.
+          sampling_params: one `SamplingParams` for all prompts, one per prompt, or None for the
+            defaults.
+          use_tqdm: show a progress bar.
+
+        Raises:
+          ValueError: a prompt or parameter is invalid; raised before anything runs.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        for prompt in prompts:  # validate everything before queueing anything
+            engine.tokenize_prompt(prompt)
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of them, via the model's chat template.
+
+        Args:
+          messages: `[{"role": ..., "content": ...}, ...]` or a list of such conversations.
+        """
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts, params, use_tqdm) -> list[RequestOutput]:
+        engine = self.llm_engine
+        request_ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        finished: dict[str, RequestOutput] = {}
+        try:
+            with tqdm(total=len(request_ids), desc="Processed prompts",
+                      disable=not use_tqdm) as bar:
+                while len(finished) < len(request_ids):
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+        finally:  # an interrupted run must not leave requests holding blocks
+            for request_id in request_ids:
+                if request_id not in finished:
+                    engine.abort_request(request_id)
+        return [finished[r] for r in request_ids]
+
+    def stats(self) -> dict[str, int]:
+        """num_total_blocks, num_free_blocks, num_running, num_waiting, num_preemptions."""
+        return self.llm_engine.stats()

@@ -1,0 +1,203 @@
+"""The engine: requests in, one scheduled and executed step at a time, outputs out."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from transformers import AutoTokenizer, GenerationConfig
+
+from jaxpaged.block_manager import BlockManager
+from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.model_runner import ModelRunner, num_kv_blocks
+from jaxpaged.models import LlamaConfig, load_llama
+from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.scheduler import Scheduler
+from jaxpaged.sequence import Sequence
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        completions = [
+            CompletionOutput(s.index, d.text, s.output_token_ids, s.finish_reason, s.stop_reason)
+            for s, d in zip(self.seqs, self.detokenizers)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
+                             self.finished)
+
+
+def resolve_dtype(dtype: str) -> jnp.dtype:
+    """"auto" is float32 on CPU and bfloat16 on accelerators; else a jnp dtype name."""
+    if dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto', 'float32', "
+                         "'bfloat16' or 'float16'")
+    return jnp.dtype(dtype)
+
+
+class LLMEngine:
+    """Holds the tokenizer, scheduler, block manager and model runner of one model.
+
+    Raises:
+      ValueError: a config value is out of range, or the pool cannot hold one sequence of
+        `max_model_len` tokens.
+    """
+
+    def __init__(self, model_dir: Path, *, dtype: str = "auto", max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 cache_config: CacheConfig = CacheConfig(), seed: int = 0):
+        self.model_config = LlamaConfig.from_pretrained(model_dir)
+        self.dtype = resolve_dtype(dtype)
+        self.scheduler_config = SchedulerConfig(
+            max_model_len=max_model_len or self.model_config.max_position_embeddings,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.cache_config = cache_config
+        num_blocks = num_kv_blocks(self.model_config, cache_config, self.dtype)
+        if num_blocks * cache_config.block_size < self.scheduler_config.max_model_len:
+            raise ValueError(
+                f"the KV pool holds {num_blocks} blocks of {cache_config.block_size} tokens, "
+                f"fewer than max_model_len={self.scheduler_config.max_model_len}: raise "
+                "num_kv_blocks / kv_cache_memory_bytes or lower max_model_len")
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos_token_ids = self._eos_token_ids(model_dir)
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        model = load_llama(model_dir, self.model_config, self.dtype)
+        self.runner = ModelRunner(model, cache_config, self.scheduler_config, num_blocks,
+                                  self.dtype)
+        self.requests: dict[str, _Request] = {}
+        self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
+        self._request_ids = itertools.count()
+
+    def _eos_token_ids(self, model_dir: Path) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if (model_dir / "generation_config.json").is_file():
+            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+            ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text or as `{"prompt_token_ids": [...]}`.
+
+        Raises:
+          ValueError: the prompt is empty, of the wrong type, has out-of-vocabulary ids, or
+            leaves no room for output under `max_model_len`.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text, ids = prompt, self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids {bad[:8]} are not ids in [0, {vocab})")
+            ids = [int(t) for t in ids]
+        else:
+            raise ValueError(f"a prompt must be a str or a dict with 'prompt_token_ids', "
+                             f"got {type(prompt).__name__}: {prompt!r:.80}")
+        if not ids:
+            raise ValueError(f"prompt {prompt!r:.80} has no tokens")
+        max_len = self.scheduler_config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room for output "
+                             f"under max_model_len={max_len}")
+        return text, ids
+
+    def add_request(self, prompt: str | dict, params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Queues a prompt; returns its request id. Validates before queueing anything."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {params!r:.80}")
+        text, ids = self.tokenize_prompt(prompt)
+        request_id = str(next(self._request_ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**63))
+        seqs = [Sequence(request_id, i, ids, params, seed) for i in range(params.n)]
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+                  for _ in seqs]
+        self.requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Drops a request and frees its blocks; unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        for seq in request.seqs if request else []:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns the outputs of the requests it advanced.
+
+        Finished requests are returned once with `finished=True` and then forgotten.
+        """
+        out = self.scheduler.schedule()
+        if out is None or not out.seqs:
+            return []
+        token_ids = self.runner.execute(out)
+        touched = {}
+        for seq, q, token_id in zip(out.seqs, out.num_scheduled_tokens, token_ids):
+            seq.num_computed_tokens += q
+            seq.token_ids.append(token_id)
+            request = self.requests[seq.request_id]
+            request.detokenizers[seq.index].add_token(token_id)
+            self._check_stop(seq)
+            touched[seq.request_id] = request
+        outputs = []
+        for request_id, request in touched.items():
+            outputs.append(request.output())
+            if request.finished:
+                del self.requests[request_id]
+        return outputs
+
+    def _check_stop(self, seq: Sequence) -> None:
+        token_id, p = seq.token_ids[-1], seq.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            self.scheduler.finish(seq, "stop")
+        elif token_id in p.stop_token_ids:
+            self.scheduler.finish(seq, "stop", stop_reason=token_id)
+        elif (seq.num_output_tokens == p.max_tokens
+              or seq.num_tokens >= self.scheduler_config.max_model_len):
+            self.scheduler.finish(seq, "length")
+
+    def stats(self) -> dict[str, int]:
+        """Block and queue counts: num_total_blocks, num_free_blocks, num_running, num_waiting,
+        num_preemptions."""
+        return {
+            "num_total_blocks": self.block_manager.num_blocks,
+            "num_free_blocks": self.block_manager.num_free_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,108 @@
+"""The model runner: owns params and the KV pool, turns a scheduled step into device arrays.
+
+The host builds NumPy arrays padded to power-of-two buckets (rows B, new tokens per row Q, cached
+blocks per row M), so the number of distinct shapes, and thus of compilations, stays small. One
+jitted step `(params, kv_cache, ModelInput) -> (logits, kv_cache)` runs with the pool donated,
+then the jitted sampler; only the sampled token ids come back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.models import LlamaConfig, LlamaForCausalLM, ModelInput, forward
+from jaxpaged.pallas_kernels import PAD_SLOT_ID
+from jaxpaged.sampler import sample_jit
+from jaxpaged.scheduler import SchedulerOutput
+
+MIN_PREFILL_BUCKET = 16  # smallest padded prompt length
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def kv_cache_shape(config: LlamaConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Pool layout `[L, 2, K, P, S, H]` (see `pallas_kernels.reference`)."""
+    return (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size,
+            config.head_dim)
+
+
+def num_kv_blocks(config: LlamaConfig, cache_config: CacheConfig, dtype) -> int:
+    """Blocks in the pool: `num_kv_blocks`, or as many as `kv_cache_memory_bytes` holds."""
+    if cache_config.num_kv_blocks is not None:
+        return cache_config.num_kv_blocks
+    bytes_per_block = (np.prod(kv_cache_shape(config, 1, cache_config.block_size))
+                       * jnp.dtype(dtype).itemsize)
+    return int(cache_config.kv_cache_memory_bytes // bytes_per_block)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, num_blocks: int, dtype):
+        self.config = model.config
+        self.block_size = cache_config.block_size
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        graphdef, self.params = nnx.split(model)
+        self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
+        self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1)
+
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        """Runs one scheduled step and returns the sampled token id of each row."""
+        batch = self.prepare_input(out)
+        logits, self.kv_cache = self._step(self.params, self.kv_cache, batch)
+        tokens = sample_jit(logits, *self.prepare_sampling(out), all_greedy=all(
+            s.params.is_greedy for s in out.seqs))
+        return np.asarray(tokens)[:len(out.seqs)].tolist()
+
+    def prepare_input(self, out: SchedulerOutput) -> ModelInput:
+        """Pads the step to buckets: B rows, Q new tokens per row, M cached blocks per row."""
+        S = self.block_size
+        B = next_power_of_2(len(out.seqs))
+        Q = 1 if not out.is_prefill else max(MIN_PREFILL_BUCKET,
+                                             next_power_of_2(max(out.num_scheduled_tokens)))
+        max_cached_blocks = max(-(-s.num_computed_tokens // S) for s in out.seqs)
+        M = 0 if max_cached_blocks == 0 else next_power_of_2(max_cached_blocks)
+
+        input_ids = np.zeros((B, Q), np.int32)
+        positions = np.zeros((B, Q), np.int32)
+        slot_mapping = np.full((B, Q), PAD_SLOT_ID, np.int32)
+        block_tables = np.zeros((B, M), np.int32)
+        num_computed = np.zeros((B,), np.int32)
+        query_lens = np.zeros((B,), np.int32)
+        for row, (seq, q) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+            start = seq.num_computed_tokens
+            pos = np.arange(start, start + q)
+            table = np.asarray(seq.block_table, np.int32)
+            input_ids[row, :q] = seq.token_ids[start:start + q]
+            positions[row, :q] = pos
+            slot_mapping[row, :q] = table[pos // S] * S + pos % S
+            cached_blocks = -(-start // S)
+            block_tables[row, :cached_blocks] = table[:cached_blocks]
+            num_computed[row] = start
+            query_lens[row] = q
+        return ModelInput(input_ids, positions, slot_mapping, block_tables, num_computed,
+                          query_lens)
+
+    def prepare_sampling(self, out: SchedulerOutput) -> tuple[np.ndarray, ...]:
+        """Per-row sampling arrays for `sampler.sample`, padded to the step's B rows."""
+        B = next_power_of_2(len(out.seqs))
+        temperature = np.zeros((B,), np.float32)
+        top_k = np.zeros((B,), np.int32)
+        top_p = np.ones((B,), np.float32)
+        seeds = np.zeros((B, 2), np.uint32)
+        index = np.zeros((B,), np.int32)
+        output_index = np.zeros((B,), np.int32)
+        for row, seq in enumerate(out.seqs):
+            p = seq.params
+            temperature[row], top_k[row], top_p[row] = p.temperature, p.top_k, p.top_p
+            seeds[row] = (seq.seed & 0xFFFFFFFF, seq.seed >> 32)
+            index[row] = seq.index
+            output_index[row] = seq.num_output_tokens
+        return temperature, top_k, top_p, seeds, index, output_index

@@ -1,0 +1,60 @@
+"""A sequence: one completion being generated, with its tokens, blocks and progress."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from jaxpaged.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens of one completion (prompt first), its block table and its finish state.
+
+    `num_computed_tokens` counts the tokens whose K/V are in the pool. A step computes the rest:
+    all of them in a prefill, one in a decode. Preemption by recompute frees the blocks and sets
+    it back to 0, so the next prefill recomputes prompt and output alike and the output is kept.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, seed: int):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.params = params
+        self.seed = seed  # the sampler's key for output token t is fold_in(key(seed), t)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, status={self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
