@@ -47,6 +47,9 @@ class BlockManager:
         """Gives `seq` (holding no blocks) blocks for all its current tokens."""
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
+        if not self.can_allocate(seq):
+            raise RuntimeError(f"allocate needs {self.num_blocks_needed(seq.num_tokens)} blocks, "
+                               f"{self.num_free_blocks} free")
         seq.block_table = [self._take() for _ in range(self.num_blocks_needed(seq.num_tokens))]
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:

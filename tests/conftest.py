@@ -1,0 +1,84 @@
+"""Shared fixtures: the default model's folder, a tiny random Llama saved with HF, and a leak check.
+
+Every `LLM` built through the `make_llm` fixture is checked after each test: all its KV blocks
+must be free again (no leaks), whatever the test did.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+TINY_CONFIG = dict(  # GQA (4 query heads on 2 KV heads), untied embeddings
+    vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2,
+    bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from jaxpaged.model_store import ensure_default_model
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A random 2-layer Llama saved with `save_pretrained`, with the default model's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model = LlamaForCausalLM(LlamaConfig(**TINY_CONFIG))
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default_model_dir / name).exists():
+            shutil.copy(default_model_dir / name, path / name)
+    return path
+
+
+_built = []
+
+
+@pytest.fixture
+def make_llm():
+    """`make_llm(model_dir, **kwargs) -> LLM`, leak-checked after the test."""
+    from jaxpaged import LLM
+
+    def make(model_dir, **kwargs):
+        kwargs.setdefault("max_model_len", 256)
+        kwargs.setdefault("num_kv_blocks", 256)
+        llm = LLM(model_dir, **kwargs)
+        _built.append(llm)
+        return llm
+
+    yield make
+    for llm in _built:
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+        assert stats["num_running"] == stats["num_waiting"] == 0, stats
+    _built.clear()
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir):
+    """One engine on the tiny model shared by a module's tests (leak-checked by `no_leaks`)."""
+    from jaxpaged import LLM
+    return LLM(tiny_model_dir, max_model_len=256, num_kv_blocks=256, max_num_seqs=8)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    """After each test that used `tiny_llm`: every block free, nothing queued."""
+    yield
+    if "tiny_llm" in request.fixturenames:
+        stats = request.getfixturevalue("tiny_llm").stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+        assert stats["num_running"] == stats["num_waiting"] == 0, stats

@@ -1,0 +1,123 @@
+"""Block manager and scheduler without a model: exact block ids, free order, queue moves."""
+
+import pytest
+
+from jaxpaged.block_manager import BlockManager
+from jaxpaged.config import SchedulerConfig
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.scheduler import Scheduler
+from jaxpaged.sequence import Sequence, SequenceStatus
+
+
+def seq(num_tokens, max_tokens=16):
+    return Sequence("r", 0, list(range(num_tokens)), SamplingParams(max_tokens=max_tokens), 0)
+
+
+def test_allocate_takes_blocks_in_free_list_order():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = seq(5), seq(4)
+    assert bm.can_allocate(a)
+    bm.allocate(a)
+    bm.allocate(b)
+    assert a.block_table == [0, 1] and b.block_table == [2]
+    assert bm.num_free_blocks == 5
+    assert bm.ref_counts[:3] == [1, 1, 1]
+
+
+def test_append_takes_a_block_only_at_a_block_boundary():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    s = seq(3)
+    bm.allocate(s)
+    s.num_computed_tokens = 3
+    s.token_ids.append(7)  # 4th token: still fits block 0
+    bm.append_slots(s, 1)
+    assert s.block_table == [0]
+    s.num_computed_tokens = 4
+    s.token_ids.append(8)  # 5th token needs a second block
+    assert bm.can_append(s, 1)
+    bm.append_slots(s, 1)
+    assert s.block_table == [0, 1]
+
+
+def test_free_returns_blocks_and_reuse_order_is_fifo():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a, b = seq(4), seq(2)
+    bm.allocate(a)  # [0, 1]
+    bm.allocate(b)  # [2]
+    bm.free(a)  # free list: 3, 1, 0
+    assert a.block_table == [] and bm.num_free_blocks == 3
+    c = seq(6)
+    bm.allocate(c)
+    assert c.block_table == [3, 1, 0]
+    assert bm.ref_counts == [1, 1, 1, 1]
+
+
+def test_allocate_without_room_raises():
+    bm = BlockManager(num_blocks=2, block_size=2)
+    s = seq(5)
+    assert not bm.can_allocate(s)
+    with pytest.raises(RuntimeError):
+        bm.allocate(s)
+    assert bm.num_free_blocks == 2
+
+
+def make_scheduler(num_blocks=16, block_size=4, **kwargs):
+    kwargs.setdefault("max_model_len", 32)
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(**kwargs), bm), bm
+
+
+def run_decode_tokens(out):
+    """What the engine does after a step: count computed tokens, append a dummy token."""
+    for s, q in zip(out.seqs, out.num_scheduled_tokens):
+        s.num_computed_tokens += q
+        s.token_ids.append(1)
+
+
+def test_prefill_respects_max_num_seqs_and_token_budget():
+    sched, _ = make_scheduler(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=32)
+    seqs = [seq(10), seq(10), seq(10)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert out.is_prefill and out.seqs == seqs[:2] and out.num_scheduled_tokens == [10, 10]
+    assert list(sched.waiting) == seqs[2:]
+    run_decode_tokens(out)
+    out = sched.schedule()  # max_num_seqs reached: decode
+    assert not out.is_prefill and out.seqs == seqs[:2] and out.num_scheduled_tokens == [1, 1]
+
+    sched2, _ = make_scheduler(max_num_seqs=8, max_model_len=16, max_num_batched_tokens=16)
+    a, b = seq(10), seq(10)
+    sched2.add(a)
+    sched2.add(b)
+    assert sched2.schedule().seqs == [a]  # b would exceed 16 batched tokens
+
+
+def test_finished_sequence_is_replaced_next_step():
+    sched, bm = make_scheduler(max_num_seqs=1)
+    a, b = seq(3), seq(3)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.seqs == [a]
+    run_decode_tokens(out)
+    sched.finish(a, "length")
+    assert a.status is SequenceStatus.FINISHED and bm.num_free_blocks == 16
+    out = sched.schedule()
+    assert out.is_prefill and out.seqs == [b]
+
+
+def test_decode_preempts_most_recent_sequence_when_blocks_run_out():
+    sched, bm = make_scheduler(num_blocks=4, block_size=2, max_model_len=8)
+    a, b = seq(4), seq(4)  # 2 blocks each: the pool is full after both prefills
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.seqs == [a, b]
+    run_decode_tokens(out)  # each now has 5 tokens, 4 computed; block 3 of each needed
+    out = sched.schedule()
+    assert out.preempted == [b] and out.seqs == [a]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    assert b.block_table == [] and list(sched.waiting) == [b]
+    assert a.block_table == [0, 1, 3] and sched.num_preemptions == 1
+    assert b.token_ids[-1] == 1  # its generated token is kept for the recompute
