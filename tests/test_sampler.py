@@ -1,0 +1,76 @@
+"""The batched sampler: greedy rows, truncation sets, distributions, and per-row seeds."""
+
+import numpy as np
+
+from jaxpaged.sampler import apply_top_k_top_p, sample_jit
+
+V = 6
+PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+LOGITS = np.log(PROBS).astype(np.float32)
+
+
+def draw(num, temperature=1.0, top_k=0, top_p=1.0, seed=0):
+    """`num` draws from LOGITS: one batch of num rows with distinct output indices."""
+    logits = np.tile(LOGITS, (num, 1))
+    tokens = sample_jit(logits, np.full(num, temperature, np.float32), np.full(num, top_k, np.int32),
+                        np.full(num, top_p, np.float32), np.tile([seed, 0], (num, 1)).astype(np.uint32),
+                        np.zeros(num, np.int32), np.arange(num, dtype=np.int32), all_greedy=False)
+    return np.bincount(np.asarray(tokens), minlength=V) / num
+
+
+def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 1000)).astype(np.float32)
+    temperature = np.array([0, 1.0, 0, 0.5], np.float32)
+    args = (np.zeros(4, np.int32), np.ones(4, np.float32), np.zeros((4, 2), np.uint32),
+            np.zeros(4, np.int32), np.zeros(4, np.int32))
+    mixed = np.asarray(sample_jit(logits, temperature, *args, all_greedy=False))
+    greedy = np.asarray(sample_jit(logits, temperature, *args, all_greedy=True))
+    np.testing.assert_array_equal(greedy, logits.argmax(-1))
+    np.testing.assert_array_equal(mixed[[0, 2]], logits.argmax(-1)[[0, 2]])
+
+
+def test_frequencies_follow_softmax_of_logits_over_temperature():
+    n = 20000
+    np.testing.assert_allclose(draw(n), PROBS, atol=0.015)
+    cooled = PROBS ** 2 / np.sum(PROBS ** 2)  # temperature 0.5 squares the probabilities
+    np.testing.assert_allclose(draw(n, temperature=0.5), cooled, atol=0.015)
+
+
+def test_top_k_and_top_p_keep_only_their_sets():
+    n = 20000
+    freq = draw(n, top_k=2)
+    np.testing.assert_allclose(freq, np.r_[PROBS[:2] / PROBS[:2].sum(), [0] * 4], atol=0.015)
+    # top_p=0.6: 0.4 < 0.6 so the second token is needed; the mass before the third is 0.65.
+    freq = draw(n, top_p=0.6)
+    np.testing.assert_allclose(freq, np.r_[PROBS[:2] / PROBS[:2].sum(), [0] * 4], atol=0.015)
+    assert draw(2000, top_k=1)[0] == 1.0 and draw(2000, top_p=0.01)[0] == 1.0
+
+
+def test_apply_top_k_top_p_masks_per_row():
+    logits = np.tile(LOGITS, (3, 1))
+    out = np.asarray(apply_top_k_top_p(logits, np.array([0, 3, 5], np.int32),
+                                       np.array([0.75, 1.0, 0.7], np.float32)))
+    kept = np.isfinite(out)
+    assert kept.sum(-1).tolist() == [3, 3, 3]  # top-p 0.75: 0.4, 0.65 before the 3rd token
+    np.testing.assert_array_equal(out[kept], np.tile(LOGITS[:3], 3))
+
+
+def test_seeded_row_gives_the_same_token_in_any_batch_position():
+    rng = np.random.default_rng(1)
+    row = rng.standard_normal(500).astype(np.float32)
+
+    def token_at(position, batch, seed=42, step=3, index=1):
+        logits = rng.standard_normal((batch, 500)).astype(np.float32)
+        logits[position] = row
+        seeds = rng.integers(0, 2**32, (batch, 2)).astype(np.uint32)
+        seeds[position] = (seed, 0)
+        idx, out_idx = np.zeros(batch, np.int32), rng.integers(0, 9, batch).astype(np.int32)
+        idx[position], out_idx[position] = index, step
+        tokens = sample_jit(logits, np.ones(batch, np.float32), np.zeros(batch, np.int32),
+                            np.ones(batch, np.float32), seeds, idx, out_idx, all_greedy=False)
+        return int(tokens[position])
+
+    first = token_at(0, 1)
+    assert all(token_at(p, b) == first for p, b in [(3, 4), (7, 8), (0, 8)])
+    assert len({token_at(0, 1, step=s) for s in range(20)}) > 1  # steps draw fresh keys
