@@ -81,8 +81,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache_config.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         model = load_llama(model_dir, self.model_config, self.dtype)
-        self.runner = ModelRunner(model, cache_config, self.scheduler_config, num_blocks,
-                                  self.dtype)
+        self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype)
         self.requests: dict[str, _Request] = {}
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
         self._request_ids = itertools.count()

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.config import CacheConfig
 from jaxpaged.models import LlamaConfig, LlamaForCausalLM, ModelInput, forward
 from jaxpaged.pallas_kernels import PAD_SLOT_ID
 from jaxpaged.sampler import sample_jit
@@ -44,11 +44,10 @@ def num_kv_blocks(config: LlamaConfig, cache_config: CacheConfig, dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, num_blocks: int, dtype):
+    def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, num_blocks: int,
+                 dtype):
         self.config = model.config
         self.block_size = cache_config.block_size
-        self.max_num_seqs = scheduler_config.max_num_seqs
         graphdef, self.params = nnx.split(model)
         self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
         self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1)
