@@ -7,6 +7,12 @@ BIN    := $(VENV)/bin
 
 .PHONY: run test install install-test clean
 
+# Without a GPU, keep jax on the CPU (the CUDA plugin of the test extras would otherwise probe for
+# CUDA and print warnings).
+ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
+export JAX_PLATFORMS ?= cpu
+endif
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip

@@ -1,6 +1,7 @@
 """The embedded default model: imported into a standard HF folder equal to transformers' GGUF load."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -33,3 +34,43 @@ def test_imported_weights_equal_transformers_gguf_loader(default_model_dir):
     assert set(ours) == set(reference) - {"lm_head.weight"}  # tied: lm_head is embed_tokens
     for name, tensor in ours.items():
         np.testing.assert_array_equal(tensor, reference[name].numpy(), err_msg=name)
+
+
+TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnewlines", "Yapay zeka geliştiricilerin",
+         "数字 12345 and 3.14159", "emoji 🙂🚀 and café", "<|im_start|>user\nhi<|im_end|>",
+         "def f(x):\n    return x ** 2  # comment", "UPPER lower MiXeD 'quotes' \"double\""]
+
+
+def test_tokenizer_encodes_like_transformers_gguf_conversion(default_model_dir):
+    from transformers import AutoTokenizer
+
+    gguf = _find_gguf()
+    reference = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    ours = AutoTokenizer.from_pretrained(default_model_dir)
+    for text in TEXTS:
+        ids = ours(text).input_ids
+        assert ids == reference(text).input_ids, text
+        assert ours.decode(ids) == reference.decode(ids) == text
+    assert ours.all_special_tokens == reference.all_special_tokens
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (2, 1, 2)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
+def test_import_needs_no_torch(tmp_path):
+    """torch is test-only: the import must run where it is missing (as after `make run`)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from jaxpaged.model_store import ensure_default_model\n"
+            "print(ensure_default_model())")
+    env = dict(os.environ, JAXPAGED_HOME=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    assert res.stdout.strip().endswith(str(folder))
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [folder.name]
+    assert (folder / "model.safetensors").stat().st_size > 500e6
