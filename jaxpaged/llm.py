@@ -77,10 +77,13 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        engine = self.llm_engine
-        for prompt in prompts:  # validate everything before queueing anything
-            engine.tokenize_prompt(prompt)
-        return self._run(prompts, params, use_tqdm)
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling params must be SamplingParams, got {p!r:.80}")
+        # Tokenize and validate every prompt before queueing any.
+        tokenized = [self.llm_engine.tokenize_prompt(p) for p in prompts]
+        return self._run([{"prompt": text, "prompt_token_ids": ids} for text, ids in tokenized],
+                         params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
@@ -90,7 +93,9 @@ class LLM:
         Args:
           messages: `[{"role": ..., "content": ...}, ...]` or a list of such conversations.
         """
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        if not messages:
+            raise ValueError("messages is empty: give a conversation or a list of them")
+        conversations = messages if isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
@@ -102,9 +107,11 @@ class LLM:
 
     def _run(self, prompts, params, use_tqdm) -> list[RequestOutput]:
         engine = self.llm_engine
-        request_ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        request_ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
+            for prompt, sp in zip(prompts, params):
+                request_ids.append(engine.add_request(prompt, sp))
             with tqdm(total=len(request_ids), desc="Processed prompts",
                       disable=not use_tqdm) as bar:
                 while len(finished) < len(request_ids):

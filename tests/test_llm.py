@@ -151,6 +151,10 @@ def test_chat_applies_the_template(tiny_llm):
     (lambda llm: llm.generate("hi", SamplingParams(top_p=0)), "top_p"),
     (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5)), "1.5"),
     (lambda llm: llm.generate(["a", "b"], [GREEDY]), "1 sampling params for 2 prompts"),
+    (lambda llm: llm.generate(["a", "b"], [GREEDY, {"temperature": 0}]), "temperature"),
+    (lambda llm: llm.generate([{"prompt_token_ids": []}], GREEDY), "no tokens"),
+    (lambda llm: llm.generate([3], GREEDY), "int"),
+    (lambda llm: llm.chat([], GREEDY), "messages is empty"),
 ])
 def test_bad_input_raises_value_error_and_engine_stays_usable(tiny_llm, call, bad_value):
     with pytest.raises(ValueError, match=bad_value.replace("(", r"\(")):
