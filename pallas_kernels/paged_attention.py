@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 _NEG = -1e30  # masked logit; finite so a fully masked block leaves the softmax state unchanged
 
@@ -214,6 +215,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    jax.ShapeDtypeStruct((B, K, k_splits, R), jnp.float32),
                    jax.ShapeDtypeStruct((B, K, k_splits, R), jnp.float32)],
         interpret=interpret,
+        # Written for the Triton backend (pallas.triton ops), never Mosaic GPU.
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         name="jaxpaged_paged_decode_attention",
     )(context_lens, block_tables, qg, k_pages, v_pages)
     out = merge_splits(acc, m, l)[:, :, :G]  # [B, K, G, H]

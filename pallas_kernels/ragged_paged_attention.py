@@ -181,6 +181,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         out_specs=pl.BlockSpec((T + _BLOCK_Q, N, H), lambda b, h, j: (0, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((T + _BLOCK_Q, N, H), q.dtype),
         interpret=interpret,
+        # Written for the Triton backend (pallas.triton ops), never Mosaic GPU.
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         name="jaxpaged_ragged_paged_attention",
     )(num_seqs, cu_q_lens, context_lens, block_tables, q_pad, k_pages, v_pages)
     return out[:T]

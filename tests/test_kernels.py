@@ -1,0 +1,153 @@
+"""Pallas kernels against their pure-jnp references (interpret mode on CPU), and CUDA lowering.
+
+Inputs are fresh random draws (never zeros); pages are scattered through a shuffled pool. The
+interpreter fills outputs with NaN before a kernel runs (poisoned), so any element a kernel
+should write and does not fails the comparison; `test_unwritten_rows_stay_poisoned` checks that
+the poison is in effect.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from jaxpaged.pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                            ragged_paged_attention_reference)
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+# (q heads per KV head, head_dim, block_size, dtype): every ratio, head dim, block size and dtype
+# appears, without the full cross product (each interpreted kernel takes seconds).
+GRID = [(1, 64, 8, jnp.float32), (3, 128, 16, jnp.float32), (4, 64, 32, jnp.bfloat16),
+        (8, 128, 8, jnp.bfloat16), (1, 128, 32, jnp.bfloat16), (3, 64, 8, jnp.bfloat16),
+        (4, 128, 16, jnp.float32), (8, 64, 16, jnp.float32)]
+
+
+def pool(rng, num_kv_heads, head_dim, block_size, num_blocks, dtype):
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    return (jnp.asarray(rng.standard_normal(shape), dtype),
+            jnp.asarray(rng.standard_normal(shape), dtype))
+
+
+def block_tables_for(rng, num_rows, max_blocks, num_blocks):
+    return jnp.asarray(rng.permutation(num_blocks)[:num_rows * max_blocks]
+                       .reshape(num_rows, max_blocks), jnp.int32)
+
+
+def assert_close(out, ref, dtype):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output"
+    rel = np.abs(out - ref).max() / np.abs(ref).max()
+    assert rel <= TOL[dtype], rel
+
+
+@pytest.mark.parametrize("group, head_dim, block_size, dtype", GRID)
+def test_decode_kernel_matches_reference(group, head_dim, block_size, dtype):
+    rng = np.random.default_rng(group * 1000 + head_dim + block_size)
+    K, S = 2, block_size
+    context_lens = [1, S - 1, S, S + 1, 7 * S + 3, 2]  # block boundaries, long beside short
+    B, M = len(context_lens) + 1, 8  # one padded row (context 0)
+    k_pages, v_pages = pool(rng, K, head_dim, S, B * M + 2, dtype)
+    q = jnp.asarray(rng.standard_normal((B, K * group, head_dim)), dtype)
+    bt = block_tables_for(rng, B, M, B * M + 2)
+    cl = jnp.asarray(context_lens + [0], jnp.int32)
+    kw = dict(scale=head_dim ** -0.5)
+    ref = paged_attention_reference(q, k_pages, v_pages, bt, cl, **kw)
+    for k_splits in (1, 3):
+        out = paged_attention(q, k_pages, v_pages, bt, cl, k_splits=k_splits, interpret=True,
+                              **kw)
+        assert_close(out[:-1], ref[:-1], dtype)
+        np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0.0)  # padded row
+
+
+def ragged_case(rng, group, head_dim, block_size, dtype):
+    """Decode rows, a fresh prefill, a chunk continuing a cached prefix; a padded row; pad tokens."""
+    K, S = 2, block_size
+    rows = [(S + 1, 1), (2 * S + 5, 2 * S + 5), (3 * S + 2, S - 1), (1, 1), (S, 1)]  # (ctx, q)
+    B, M = len(rows) + 1, 8
+    cu = np.concatenate([[0], np.cumsum([q for _, q in rows])])
+    cu = np.concatenate([cu, [cu[-1]]]).astype(np.int32)  # the padded row has no tokens
+    T = int(cu[-1]) + 5  # trailing pad tokens
+    k_pages, v_pages = pool(rng, K, head_dim, S, B * M + 2, dtype)
+    q = jnp.asarray(rng.standard_normal((T, K * group, head_dim)), dtype)
+    bt = block_tables_for(rng, B, M, B * M + 2)
+    cl = jnp.asarray([c for c, _ in rows] + [0], jnp.int32)
+    return (q, k_pages, v_pages, bt, cl, jnp.asarray(cu), len(rows)), int(cu[-1])
+
+
+@pytest.mark.parametrize("group, head_dim, block_size, dtype", GRID)
+def test_ragged_kernel_matches_reference(group, head_dim, block_size, dtype):
+    rng = np.random.default_rng(group * 1000 + head_dim + block_size + 1)
+    args, num_real = ragged_case(rng, group, head_dim, block_size, dtype)
+    kw = dict(scale=head_dim ** -0.5)
+    out = ragged_paged_attention(*args, interpret=True, **kw)
+    ref = ragged_paged_attention_reference(*args, **kw)
+    assert_close(out[:num_real], ref[:num_real], dtype)
+
+
+@pytest.mark.parametrize("soft_cap, sliding_window", [(5.0, None), (None, 19), (30.0, 40)])
+def test_soft_cap_and_sliding_window(soft_cap, sliding_window):
+    rng = np.random.default_rng(7)
+    kw = dict(scale=0.125, soft_cap=soft_cap, sliding_window=sliding_window)
+    args, num_real = ragged_case(rng, 3, 64, 16, jnp.float32)
+    out = ragged_paged_attention(*args, interpret=True, **kw)
+    assert_close(out[:num_real], ragged_paged_attention_reference(*args, **kw)[:num_real],
+                 jnp.float32)
+    q, k_pages, v_pages, bt, cl = args[0][:6], *args[1:5]
+    cl = cl.at[-1].set(90)
+    out = paged_attention(q, k_pages, v_pages, bt, cl, k_splits=2, interpret=True, **kw)
+    assert_close(out, paged_attention_reference(q, k_pages, v_pages, bt, cl, **kw), jnp.float32)
+
+
+def test_unwritten_rows_stay_poisoned():
+    args, num_real = ragged_case(np.random.default_rng(3), 2, 64, 16, jnp.float32)
+    out = np.asarray(ragged_paged_attention(*args, scale=0.125, interpret=True))
+    assert np.isnan(out[num_real:]).all() and np.isfinite(out[:num_real]).all()
+
+
+@pytest.mark.parametrize("call", [
+    lambda q, kp, bt, cl: paged_attention(q[:, :5], kp, kp, bt, cl, scale=1.0, interpret=True),
+    lambda q, kp, bt, cl: paged_attention(q, kp, kp, bt.astype(jnp.float32), cl, scale=1.0),
+    lambda q, kp, bt, cl: paged_attention(q.astype(jnp.bfloat16), kp, kp, bt, cl, scale=1.0),
+    lambda q, kp, bt, cl: paged_attention(q[..., :32], kp, kp, bt, cl, scale=1.0),
+    lambda q, kp, bt, cl: ragged_paged_attention(q, kp, kp, bt, cl, jnp.zeros(3, jnp.int32), 1,
+                                                 scale=1.0),
+])
+def test_bad_shapes_or_dtypes_raise_value_error_naming_them(call):
+    q = jnp.ones((4, 6, 64), jnp.float32)
+    kp = jnp.ones((2, 8, 16, 64), jnp.float32)
+    bt, cl = jnp.zeros((4, 2), jnp.int32), jnp.ones((4,), jnp.int32)
+    with pytest.raises(ValueError, match=r"block_tables\(4, 2\)"):
+        call(q, kp, bt, cl)
+
+
+# -- CUDA lowering on this CPU machine ---------------------------------------------------------
+
+def engine_kernel_configs():
+    """(kernel, kwargs, arg shapes) for every configuration the engine's models call."""
+    configs = []
+    # (q heads, kv heads, head_dim): SmolLM2-135M, the tests' tiny Llama, a Llama-3-8B-like.
+    for N, K, H in [(9, 3, 64), (4, 2, 16), (32, 8, 128)]:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            S, B, M, T, P = 16, 8, 16, 256, 512
+            pages = jax.ShapeDtypeStruct((K, P, S, H), dtype)
+            i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+            configs.append((paged_attention, dict(scale=H ** -0.5, k_splits=1),
+                            (jax.ShapeDtypeStruct((B, N, H), dtype), pages, pages, i32(B, M),
+                             i32(B))))
+            configs.append((ragged_paged_attention, dict(scale=H ** -0.5),
+                            (jax.ShapeDtypeStruct((T, N, H), dtype), pages, pages, i32(B, M),
+                             i32(B), i32(B + 1), i32())))
+    return configs
+
+
+@pytest.mark.parametrize("kernel, kwargs, shapes", engine_kernel_configs())
+def test_kernels_lower_for_cuda(kernel, kwargs, shapes):
+    from jax import export
+
+    exported = export.export(
+        jax.jit(functools.partial(kernel, **kwargs)), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
