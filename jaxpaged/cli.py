@@ -15,6 +15,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="blocks in the KV pool")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "pallas", "pallas-interpret", "xla"])
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
 
 
@@ -62,7 +64,7 @@ def _generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed)
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-              num_kv_blocks=args.num_kv_blocks)
+              num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend)
     if args.command == "chat":
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.message})

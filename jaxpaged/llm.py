@@ -30,6 +30,8 @@ class LLM:
       block_size: tokens per KV block.
       num_kv_blocks: blocks in the KV pool; default: as many as `kv_cache_memory_bytes` holds.
       kv_cache_memory_bytes: KV pool budget in bytes (default 2 GiB).
+      attention_backend: "auto" (Pallas kernels on GPU, XLA on CPU), "pallas",
+        "pallas-interpret" (the kernels under the Pallas interpreter, for tests) or "xla".
       seed: seeds the per-request seeds of requests that set none.
 
     Raises:
@@ -40,14 +42,15 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
-                 seed: int = 0):
+                 attention_backend: str = "auto", seed: int = 0):
         model_dir = resolve_model(model)
         cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    kv_cache_memory_bytes=kv_cache_memory_bytes)
         self.llm_engine = LLMEngine(model_dir, dtype=dtype, max_model_len=max_model_len,
                                     max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=max_num_batched_tokens,
-                                    cache_config=cache_config, seed=seed)
+                                    cache_config=cache_config,
+                                    attention_backend=attention_backend, seed=seed)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -17,6 +17,7 @@ from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.model_runner import ModelRunner, num_kv_blocks
 from jaxpaged.models import LlamaConfig, load_llama
 from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.pallas_kernels import resolve_attention_backend
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Sequence
@@ -62,7 +63,9 @@ class LLMEngine:
 
     def __init__(self, model_dir: Path, *, dtype: str = "auto", max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 cache_config: CacheConfig = CacheConfig(), seed: int = 0):
+                 cache_config: CacheConfig = CacheConfig(), attention_backend: str = "auto",
+                 seed: int = 0):
+        self.attention_backend = resolve_attention_backend(attention_backend)
         self.model_config = LlamaConfig.from_pretrained(model_dir)
         self.dtype = resolve_dtype(dtype)
         self.scheduler_config = SchedulerConfig(
@@ -80,7 +83,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(model_dir)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        model = load_llama(model_dir, self.model_config, self.dtype)
+        model = load_llama(model_dir, self.model_config, self.dtype, self.attention_backend)
         self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype)
         self.requests: dict[str, _Request] = {}
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none

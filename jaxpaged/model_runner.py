@@ -48,6 +48,9 @@ class ModelRunner:
                  dtype):
         self.config = model.config
         self.block_size = cache_config.block_size
+        # The XLA path reads only cached tokens from the pool; the Pallas kernels read the new
+        # ones there too, so their block tables must cover them.
+        self.tables_cover_new_tokens = model.attention_backend != "xla"
         graphdef, self.params = nnx.split(model)
         self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
         self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1)
@@ -61,13 +64,15 @@ class ModelRunner:
         return np.asarray(tokens)[:len(out.seqs)].tolist()
 
     def prepare_input(self, out: SchedulerOutput) -> ModelInput:
-        """Pads the step to buckets: B rows, Q new tokens per row, M cached blocks per row."""
+        """Pads the step to buckets: B rows, Q new tokens per row, M table blocks per row."""
         S = self.block_size
         B = next_power_of_2(len(out.seqs))
         Q = 1 if not out.is_prefill else max(MIN_PREFILL_BUCKET,
                                              next_power_of_2(max(out.num_scheduled_tokens)))
-        max_cached_blocks = max(-(-s.num_computed_tokens // S) for s in out.seqs)
-        M = 0 if max_cached_blocks == 0 else next_power_of_2(max_cached_blocks)
+        covered = [s.num_computed_tokens + (q if self.tables_cover_new_tokens else 0)
+                   for s, q in zip(out.seqs, out.num_scheduled_tokens)]
+        max_blocks = max(-(-n // S) for n in covered)
+        M = 0 if max_blocks == 0 else next_power_of_2(max_blocks)
 
         input_ids = np.zeros((B, Q), np.int32)
         positions = np.zeros((B, Q), np.int32)
@@ -75,15 +80,15 @@ class ModelRunner:
         block_tables = np.zeros((B, M), np.int32)
         num_computed = np.zeros((B,), np.int32)
         query_lens = np.zeros((B,), np.int32)
-        for row, (seq, q) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+        for row, (seq, q, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens, covered)):
             start = seq.num_computed_tokens
             pos = np.arange(start, start + q)
             table = np.asarray(seq.block_table, np.int32)
             input_ids[row, :q] = seq.token_ids[start:start + q]
             positions[row, :q] = pos
             slot_mapping[row, :q] = table[pos // S] * S + pos % S
-            cached_blocks = -(-start // S)
-            block_tables[row, :cached_blocks] = table[:cached_blocks]
+            num_blocks = -(-n // S)
+            block_tables[row, :num_blocks] = table[:num_blocks]
             num_computed[row] = start
             query_lens[row] = q
         return ModelInput(input_ids, positions, slot_mapping, block_tables, num_computed,

@@ -35,7 +35,7 @@ class ModelInput:
     input_ids: jax.Array  # i32[B, Q] new token ids
     positions: jax.Array  # i32[B, Q] their positions in the sequence
     slot_mapping: jax.Array  # i32[B, Q] flat pool slot each new token's K/V is written to
-    block_tables: jax.Array  # i32[B, M] physical blocks holding each row's cached tokens
+    block_tables: jax.Array  # i32[B, M] blocks of each row's cached (Pallas: and new) tokens
     num_computed_tokens: jax.Array  # i32[B] tokens of the row already in the pool
     query_lens: jax.Array  # i32[B] new tokens in the row (0 for padding rows)
 
@@ -66,26 +66,27 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class LlamaAttention(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
         D, N, K, H = (config.hidden_size, config.num_attention_heads,
                       config.num_key_value_heads, config.head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+        self.attention_backend = attention_backend
         self.q_proj = _linear(D, N * H, dtype, rngs)
         self.k_proj = _linear(D, K * H, dtype, rngs)
         self.v_proj = _linear(D, K * H, dtype, rngs)
         self.o_proj = _linear(N * H, D, dtype, rngs)
 
-    def __call__(self, x, cos, sin, k_pages, v_pages, batch: ModelInput):
-        # x: [B, Q, D]; k_pages, v_pages: [K, P, S, H] of this layer.
+    def __call__(self, x, cos, sin, kv_layer, batch: ModelInput):
+        # x: [B, Q, D]; kv_layer: [2, K, P, S, H] this layer's pool.
         B, Q, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
         q = apply_rope(self.q_proj(x).reshape(B, Q, N, H), cos, sin)
         k = apply_rope(self.k_proj(x).reshape(B, Q, K, H), cos, sin)
         v = self.v_proj(x).reshape(B, Q, K, H)
-        out = pallas_kernels.paged_attention(
-            q, k, v, k_pages, v_pages, batch.block_tables, batch.num_computed_tokens,
-            batch.query_lens, scale=H ** -0.5)
-        return self.o_proj(out.reshape(B, Q, N * H)), k, v
+        out, kv_update = pallas_kernels.attention(
+            self.attention_backend, q, k, v, kv_layer, batch.slot_mapping, batch.block_tables,
+            batch.num_computed_tokens, batch.query_lens, scale=H ** -0.5)
+        return self.o_proj(out.reshape(B, Q, N * H)), kv_update
 
 
 class LlamaMLP(nnx.Module):
@@ -100,18 +101,19 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(config, dtype=dtype, rngs=rngs)
+        self.self_attn = LlamaAttention(config, dtype=dtype, attention_backend=attention_backend,
+                                        rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
                                                 dtype=dtype)
         self.mlp = LlamaMLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, k_pages, v_pages, batch: ModelInput):
-        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, k_pages, v_pages, batch)
+    def __call__(self, x, cos, sin, kv_layer, batch: ModelInput):
+        attn, kv_update = self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, batch)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k, v
+        return x, kv_update
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -122,15 +124,18 @@ class LlamaForCausalLM(nnx.Module):
     `model.layers.{i}.self_attn.q_proj.weight` transposed (see `models.loader`).
     """
 
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, attention_backend: str = "xla",
+                 rngs: nnx.Rngs):
         self.config = config
+        self.attention_backend = pallas_kernels.resolve_attention_backend(attention_backend)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
 
         @nnx.split_rngs(splits=config.num_hidden_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs):
-            return LlamaDecoderLayer(config, dtype=dtype, rngs=rngs)
+            return LlamaDecoderLayer(config, dtype=dtype,
+                                     attention_backend=self.attention_backend, rngs=rngs)
 
         self.layers = make_layers(rngs)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
@@ -155,15 +160,18 @@ class LlamaForCausalLM(nnx.Module):
         layer_def, layer_state = nnx.split(self.layers)
 
         def layer_step(x, per_layer):
-            state, kv = per_layer  # kv: [2, K, P, S, H]
-            x, k, v = nnx.merge(layer_def, state)(x, cos, sin, kv[0], kv[1], batch)
-            return x, (k, v)
+            state, kv_layer = per_layer  # kv_layer: [2, K, P, S, H]
+            return nnx.merge(layer_def, state)(x, cos, sin, kv_layer, batch)
 
-        x, (k, v) = jax.lax.scan(layer_step, x, (layer_state, kv_cache))  # k, v: [L, B, Q, K, H]
-        L = k.shape[0]
-        kv_cache = pallas_kernels.write_kv(
-            kv_cache, k.reshape(L, B * Q, *k.shape[3:]), v.reshape(L, B * Q, *v.shape[3:]),
-            batch.slot_mapping.reshape(B * Q))
+        x, kv_update = jax.lax.scan(layer_step, x, (layer_state, kv_cache))
+        if self.attention_backend == "xla":  # new K/V of every layer, k, v: [L, B, Q, K, H]
+            k, v = kv_update
+            L = k.shape[0]
+            kv_cache = pallas_kernels.write_kv(
+                kv_cache, k.reshape(L, B * Q, *k.shape[3:]), v.reshape(L, B * Q, *v.shape[3:]),
+                batch.slot_mapping.reshape(B * Q))
+        else:  # each layer already wrote its slice of the pool
+            kv_cache = kv_update
 
         last = jnp.maximum(batch.query_lens - 1, 0)
         x = self.norm(x[jnp.arange(B), last])  # [B, D]

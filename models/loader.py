@@ -64,14 +64,18 @@ def _param_paths(state: nnx.State) -> list[str]:
             for path, _ in leaves]
 
 
-def load_llama(model_dir: str | Path, config: LlamaConfig, dtype) -> LlamaForCausalLM:
+def load_llama(model_dir: str | Path, config: LlamaConfig, dtype,
+               attention_backend: str = "xla") -> LlamaForCausalLM:
     """Builds a `LlamaForCausalLM` with weights from `model_dir`, cast to `dtype`.
+
+    `attention_backend` is one of `pallas_kernels.ATTENTION_BACKENDS`.
 
     Raises:
       ValueError: a checkpoint key matches no entry of `LLAMA_NAME_MAP`, a parameter gets no
         tensor (or a layer is missing), or a tensor's shape differs from the parameter's.
     """
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(
+        config, dtype=dtype, attention_backend=attention_backend, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
     paths = _param_paths(abstract_state)
     expected = dict(zip(paths, jax.tree_util.tree_leaves(abstract_state)))

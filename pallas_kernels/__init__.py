@@ -1,11 +1,16 @@
-"""Paged-attention kernels and their pure-jnp references.
+"""Paged-attention kernels, their pure-jnp references, and the backend dispatch.
 
-This package imports only jax and numpy. The model calls attention through `paged_attention`
-here, so kernels can replace the XLA path without touching model code.
+This package imports only jax and numpy. The model calls attention through `dispatch.attention`,
+so kernels replace the XLA path without touching model code.
 """
 
-from .reference import PAD_SLOT_ID, paged_attention_xla, write_kv
+from jaxpaged.pallas_kernels.dispatch import (ATTENTION_BACKENDS, attention,
+                                              resolve_attention_backend)
+from jaxpaged.pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from jaxpaged.pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                            ragged_paged_attention_reference)
+from jaxpaged.pallas_kernels.reference import PAD_SLOT_ID, paged_attention_xla, write_kv
 
-paged_attention = paged_attention_xla
-
-__all__ = ["PAD_SLOT_ID", "paged_attention", "paged_attention_xla", "write_kv"]
+__all__ = ["ATTENTION_BACKENDS", "PAD_SLOT_ID", "attention", "paged_attention",
+           "paged_attention_reference", "paged_attention_xla", "ragged_paged_attention",
+           "ragged_paged_attention_reference", "resolve_attention_backend", "write_kv"]

@@ -151,3 +151,17 @@ def test_kernels_lower_for_cuda(kernel, kwargs, shapes):
         jax.jit(functools.partial(kernel, **kwargs)), platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+def test_engine_greedy_ids_equal_between_pallas_interpret_and_xla(make_llm, tiny_model_dir):
+    from jaxpaged import SamplingParams
+
+    prompts = ["Hi", "a prompt of a few more words", "one two three four five six seven eight"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = {}
+    for backend in ("xla", "pallas-interpret"):
+        llm = make_llm(tiny_model_dir, attention_backend=backend, max_model_len=64,
+                       block_size=8)
+        outputs[backend] = [o.outputs[0].token_ids
+                            for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["pallas-interpret"] == outputs["xla"]

@@ -1,0 +1,71 @@
+"""Attention backend dispatch: the one place the model's attention reaches a kernel.
+
+Backends:
+  "xla"               `reference.paged_attention_xla` (pure jnp): cached K/V from the pool, new
+                      K/V passed in, all layers' new K/V written after the forward pass in one
+                      scatter (fastest on CPU).
+  "pallas"            the Pallas kernels (Triton on GPU): each layer writes its new K/V into the
+                      pool first, then `paged_attention` (decode steps, Q == 1) or
+                      `ragged_paged_attention` (any other step) reads everything from the pool.
+  "pallas-interpret"  the same kernels under the Pallas interpreter (CPU tests).
+  "auto"              "pallas" on GPU, "xla" on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxpaged.pallas_kernels.paged_attention import paged_attention
+from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from jaxpaged.pallas_kernels.reference import paged_attention_xla, write_kv
+
+ATTENTION_BACKENDS = ("auto", "pallas", "pallas-interpret", "xla")
+
+
+def resolve_attention_backend(name: str) -> str:
+    """The concrete backend for `name`. Raises ValueError for an unknown name."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend {name!r} is not one of {ATTENTION_BACKENDS}")
+    if name == "auto":
+        return "xla" if jax.default_backend() == "cpu" else "pallas"
+    return name
+
+
+def attention(backend: str, q, k, v, kv_layer, slot_mapping, block_tables, num_computed_tokens,
+              query_lens, *, scale: float):
+    """One layer's paged attention over a padded step batch.
+
+    Args:
+      backend: a resolved backend ("xla", "pallas" or "pallas-interpret").
+      q: f[B, Q, N, H]; k, v: f[B, Q, K, H] the new tokens' projections (RoPE applied).
+      kv_layer: f[2, K, P, S, H] this layer's pool.
+      slot_mapping: i32[B, Q]; block_tables: i32[B, M]; num_computed_tokens, query_lens: i32[B]
+        (see `models.llama.ModelInput`). For the Pallas backends the block tables must cover
+        the new tokens too.
+
+    Returns:
+      (out f[B, Q, N, H], update): for "xla" the update is (k, v), to be written for all layers
+      with `write_kv` after the forward pass; for the Pallas backends it is `kv_layer` with the
+      new K/V already written.
+    """
+    if backend == "xla":
+        out = paged_attention_xla(q, k, v, kv_layer[0], kv_layer[1], block_tables,
+                                  num_computed_tokens, query_lens, scale=scale)
+        return out, (k, v)
+    B, Q, N, H = q.shape
+    interpret = backend == "pallas-interpret"
+    kv_layer = write_kv(kv_layer[None], k.reshape(1, B * Q, *k.shape[2:]),
+                        v.reshape(1, B * Q, *v.shape[2:]), slot_mapping.reshape(B * Q))[0]
+    # Each row owns Q query slots; padding slots sit after its real tokens, so the real ones keep
+    # their positions and never see the padding (causal mask).
+    context_lens = num_computed_tokens + Q
+    if Q == 1:
+        out = paged_attention(q[:, 0], kv_layer[0], kv_layer[1], block_tables, context_lens,
+                              scale=scale, interpret=interpret)[:, None]
+    else:
+        cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32) * Q
+        out = ragged_paged_attention(q.reshape(B * Q, N, H), kv_layer[0], kv_layer[1],
+                                     block_tables, context_lens, cu_q_lens, B, scale=scale,
+                                     max_q_len=Q, interpret=interpret).reshape(B, Q, N, H)
+    return out, kv_layer
