@@ -135,3 +135,4 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> None:
     tensors = hf_tensors(reader, config.num_hidden_layers, config.num_attention_heads,
                          config.num_key_value_heads)
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "model.safetensors").chmod(0o644)  # readable like the other files
