@@ -33,12 +33,12 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        return all(s.is_finished and not s.num_forks for s in self.seqs)
 
     def output(self) -> RequestOutput:
         completions = [
             CompletionOutput(s.index, d.text, s.output_token_ids, s.finish_reason, s.stop_reason)
-            for s, d in zip(self.seqs, self.detokenizers)]
+            for s, d in sorted(zip(self.seqs, self.detokenizers), key=lambda sd: sd[0].index)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
                              self.finished)
 
@@ -139,12 +139,12 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**63))
-        seqs = [Sequence(request_id, i, ids, params, seed) for i in range(params.n)]
-        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-                  for _ in seqs]
-        self.requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        # One sequence is prefilled; it forks into the n completions right after (block sharing).
+        seq = Sequence(request_id, 0, ids, params, seed)
+        seq.num_forks = params.n - 1
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.requests[request_id] = _Request(request_id, text, ids, [seq], [detok])
+        self.scheduler.add(seq)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -167,14 +167,18 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out is None or not out.seqs:
             return []
-        token_ids = self.runner.execute(out)
+        sampled = self.runner.execute(out)
         touched = {}
-        for seq, q, token_id in zip(out.seqs, out.num_scheduled_tokens, token_ids):
+        for seq, q, token_ids in zip(out.seqs, out.num_scheduled_tokens, sampled):
             seq.num_computed_tokens += q
-            seq.token_ids.append(token_id)
             request = self.requests[seq.request_id]
-            request.detokenizers[seq.index].add_token(token_id)
-            self._check_stop(seq)
+            # Fork before anything is appended or finished: children copy the parent as it was.
+            targets = [seq] + [self._fork(request, seq, j) for j in range(1, len(token_ids))]
+            seq.num_forks = 0
+            for target, token_id in zip(targets, token_ids):
+                target.token_ids.append(token_id)
+                request.detokenizers[target.index].add_token(token_id)
+                self._check_stop(target)
             touched[seq.request_id] = request
         outputs = []
         for request_id, request in touched.items():
@@ -182,6 +186,15 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request_id]
         return outputs
+
+    def _fork(self, request: _Request, parent: Sequence, j: int) -> Sequence:
+        """The j-th completion, sharing the parent's prompt blocks; seeded `seed + j`."""
+        child = parent.fork(index=j, seed=(parent.seed + j) % 2**64)
+        self.scheduler.fork(parent, child)
+        request.seqs.append(child)
+        request.detokenizers.append(IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, parent.params.skip_special_tokens))
+        return child
 
     def _check_stop(self, seq: Sequence) -> None:
         token_id, p = seq.token_ids[-1], seq.params
@@ -194,11 +207,16 @@ class LLMEngine:
             self.scheduler.finish(seq, "length")
 
     def stats(self) -> dict[str, int]:
-        """Block and queue counts: num_total_blocks, num_free_blocks, num_running, num_waiting,
+        """Block and queue counts: num_total_blocks, num_free_blocks, num_used_blocks,
+        num_shared_blocks, num_cow_copies, num_running, num_waiting (sequences),
         num_preemptions."""
+        bm = self.block_manager
         return {
-            "num_total_blocks": self.block_manager.num_blocks,
-            "num_free_blocks": self.block_manager.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
+            "num_shared_blocks": bm.num_shared_blocks,
+            "num_cow_copies": bm.num_cow_copies,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,

@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import LlamaConfig, LlamaForCausalLM, ModelInput, forward
-from jaxpaged.pallas_kernels import PAD_SLOT_ID
+from jaxpaged.pallas_kernels import PAD_SLOT_ID, copy_blocks
 from jaxpaged.sampler import sample_jit
 from jaxpaged.scheduler import SchedulerOutput
 
@@ -54,14 +54,31 @@ class ModelRunner:
         graphdef, self.params = nnx.split(model)
         self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
         self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1)
+        self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
-        """Runs one scheduled step and returns the sampled token id of each row."""
+    def execute(self, out: SchedulerOutput) -> list[list[int]]:
+        """Runs one scheduled step; returns each row's sampled token ids.
+
+        A row draws `1 + seq.num_forks` samples (a parent about to fork into its n completions
+        after its prefill), all others one.
+        """
+        if out.blocks_to_copy:
+            self._apply_copies(out.blocks_to_copy)
         batch = self.prepare_input(out)
         logits, self.kv_cache = self._step(self.params, self.kv_cache, batch)
-        tokens = sample_jit(logits, *self.prepare_sampling(out), all_greedy=all(
-            s.params.is_greedy for s in out.seqs))
-        return np.asarray(tokens)[:len(out.seqs)].tolist()
+        tokens = np.asarray(sample_jit(logits, *self.prepare_sampling(out), all_greedy=all(
+            s.params.is_greedy for s in out.seqs))).tolist()
+        per_row, i = [], 0
+        for seq in out.seqs:
+            per_row.append(tokens[i:i + 1 + seq.num_forks])
+            i += 1 + seq.num_forks
+        return per_row
+
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write block copies, padded to a power of two with repeats of the first."""
+        pairs = copies + [copies[0]] * (next_power_of_2(len(copies)) - len(copies))
+        src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
+        self.kv_cache = self._copy_blocks(self.kv_cache, src, dst)
 
     def prepare_input(self, out: SchedulerOutput) -> ModelInput:
         """Pads the step to buckets: B rows, Q new tokens per row, M table blocks per row."""
@@ -95,18 +112,25 @@ class ModelRunner:
                           query_lens)
 
     def prepare_sampling(self, out: SchedulerOutput) -> tuple[np.ndarray, ...]:
-        """Per-row sampling arrays for `sampler.sample`, padded to the step's B rows."""
-        B = next_power_of_2(len(out.seqs))
-        temperature = np.zeros((B,), np.float32)
-        top_k = np.zeros((B,), np.int32)
-        top_p = np.ones((B,), np.float32)
-        seeds = np.zeros((B, 2), np.uint32)
-        index = np.zeros((B,), np.int32)
-        output_index = np.zeros((B,), np.int32)
-        for row, seq in enumerate(out.seqs):
+        """Per-sample arrays for `sampler.sample`, padded to a power of two.
+
+        Sample j of a row drawing several uses seed `seq.seed + j` (mod 2**64), so the j-th of
+        n completions equals a lone request seeded `seed + j` (vLLM's convention).
+        """
+        samples = [(row, seq, j) for row, seq in enumerate(out.seqs)
+                   for j in range(1 + seq.num_forks)]
+        R = next_power_of_2(len(samples))
+        row_index = np.zeros((R,), np.int32)
+        temperature = np.zeros((R,), np.float32)
+        top_k = np.zeros((R,), np.int32)
+        top_p = np.ones((R,), np.float32)
+        seeds = np.zeros((R, 2), np.uint32)
+        output_index = np.zeros((R,), np.int32)
+        for i, (row, seq, j) in enumerate(samples):
             p = seq.params
-            temperature[row], top_k[row], top_p[row] = p.temperature, p.top_k, p.top_p
-            seeds[row] = (seq.seed & 0xFFFFFFFF, seq.seed >> 32)
-            index[row] = seq.index
-            output_index[row] = seq.num_output_tokens
-        return temperature, top_k, top_p, seeds, index, output_index
+            seed = (seq.seed + j) % 2**64
+            row_index[i] = row
+            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+            seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
+            output_index[i] = seq.num_output_tokens
+        return row_index, temperature, top_k, top_p, seeds, output_index

@@ -26,6 +26,7 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int]  # new tokens per row: the uncomputed ones, or 1 for a decode
     is_prefill: bool
     preempted: list[Sequence]  # sent back to waiting while building this step
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -68,7 +69,7 @@ class Scheduler:
         return SchedulerOutput(seqs, num_tokens, is_prefill=True, preempted=[])
 
     def _schedule_decode(self) -> SchedulerOutput | None:
-        seqs, preempted = [], []
+        seqs, preempted, copies = [], [], []
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
@@ -79,11 +80,12 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_slots(seq)
+                copies += self.block_manager.append_slots(seq)
                 seqs.append(seq)
         if not seqs and not preempted:
             return None
-        return SchedulerOutput(seqs, [1] * len(seqs), is_prefill=False, preempted=preempted)
+        return SchedulerOutput(seqs, [1] * len(seqs), is_prefill=False, preempted=preempted,
+                               blocks_to_copy=copies)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -92,6 +94,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Adds `child` beside its running `parent`, sharing its blocks."""
+        self.block_manager.fork(parent, child)
+        self.running.append(child)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | None = None) -> None:
         """Marks `seq` finished and frees its blocks (it may be running or waiting)."""

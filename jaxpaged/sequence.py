@@ -35,6 +35,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.params = params
         self.seed = seed  # the sampler's key for output token t is fold_in(key(seed), t)
+        self.num_forks = 0  # children still to fork from this sequence after its prefill
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
@@ -54,6 +55,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def fork(self, index: int, seed: int) -> "Sequence":
+        """A child with the same tokens and progress; blocks are shared by the block manager."""
+        child = Sequence(self.request_id, index, self.token_ids[:self.num_prompt_tokens],
+                         self.params, seed)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        return child
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, status={self.status.value}, "

@@ -71,6 +71,16 @@ def paged_attention_xla(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
     return out.reshape(B, Q, N, H).astype(q.dtype)
 
 
+def copy_blocks(kv_cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Copies whole blocks of every layer: block dst[i] <- block src[i] (copy-on-write).
+
+    Args:
+      kv_cache: f[L, 2, K, P, S, H] the pool (donate it).
+      src, dst: i32[C] block ids; a pair may repeat (padding), dst ids are otherwise distinct.
+    """
+    return kv_cache.at[:, :, :, dst].set(kv_cache[:, :, :, src])
+
+
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> jax.Array:
     """Scatters the new tokens' K/V of every layer into the pool in one update.

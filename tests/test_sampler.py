@@ -11,10 +11,11 @@ LOGITS = np.log(PROBS).astype(np.float32)
 
 def draw(num, temperature=1.0, top_k=0, top_p=1.0, seed=0):
     """`num` draws from LOGITS: one batch of num rows with distinct output indices."""
-    logits = np.tile(LOGITS, (num, 1))
-    tokens = sample_jit(logits, np.full(num, temperature, np.float32), np.full(num, top_k, np.int32),
-                        np.full(num, top_p, np.float32), np.tile([seed, 0], (num, 1)).astype(np.uint32),
-                        np.zeros(num, np.int32), np.arange(num, dtype=np.int32), all_greedy=False)
+    logits = LOGITS[None]  # every sample draws from the one row
+    tokens = sample_jit(logits, np.zeros(num, np.int32), np.full(num, temperature, np.float32),
+                        np.full(num, top_k, np.int32), np.full(num, top_p, np.float32),
+                        np.tile([seed, 0], (num, 1)).astype(np.uint32),
+                        np.arange(num, dtype=np.int32), all_greedy=False)
     return np.bincount(np.asarray(tokens), minlength=V) / num
 
 
@@ -22,10 +23,11 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((4, 1000)).astype(np.float32)
     temperature = np.array([0, 1.0, 0, 0.5], np.float32)
+    rows = np.arange(4, dtype=np.int32)
     args = (np.zeros(4, np.int32), np.ones(4, np.float32), np.zeros((4, 2), np.uint32),
-            np.zeros(4, np.int32), np.zeros(4, np.int32))
-    mixed = np.asarray(sample_jit(logits, temperature, *args, all_greedy=False))
-    greedy = np.asarray(sample_jit(logits, temperature, *args, all_greedy=True))
+            np.zeros(4, np.int32))
+    mixed = np.asarray(sample_jit(logits, rows, temperature, *args, all_greedy=False))
+    greedy = np.asarray(sample_jit(logits, rows, temperature, *args, all_greedy=True))
     np.testing.assert_array_equal(greedy, logits.argmax(-1))
     np.testing.assert_array_equal(mixed[[0, 2]], logits.argmax(-1)[[0, 2]])
 
@@ -60,15 +62,16 @@ def test_seeded_row_gives_the_same_token_in_any_batch_position():
     rng = np.random.default_rng(1)
     row = rng.standard_normal(500).astype(np.float32)
 
-    def token_at(position, batch, seed=42, step=3, index=1):
+    def token_at(position, batch, seed=42, step=3):
         logits = rng.standard_normal((batch, 500)).astype(np.float32)
         logits[position] = row
         seeds = rng.integers(0, 2**32, (batch, 2)).astype(np.uint32)
         seeds[position] = (seed, 0)
-        idx, out_idx = np.zeros(batch, np.int32), rng.integers(0, 9, batch).astype(np.int32)
-        idx[position], out_idx[position] = index, step
-        tokens = sample_jit(logits, np.ones(batch, np.float32), np.zeros(batch, np.int32),
-                            np.ones(batch, np.float32), seeds, idx, out_idx, all_greedy=False)
+        out_idx = rng.integers(0, 9, batch).astype(np.int32)
+        out_idx[position] = step
+        tokens = sample_jit(logits, np.arange(batch, dtype=np.int32), np.ones(batch, np.float32),
+                            np.zeros(batch, np.int32), np.ones(batch, np.float32), seeds, out_idx,
+                            all_greedy=False)
         return int(tokens[position])
 
     first = token_at(0, 1)
