@@ -16,7 +16,7 @@ from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.model_runner import ModelRunner, num_kv_blocks
 from jaxpaged.models import LlamaConfig, load_llama
-from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.pallas_kernels import resolve_attention_backend
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
@@ -31,16 +31,37 @@ class _Request:
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer]
 
+    params: SamplingParams
+
     @property
     def finished(self) -> bool:
         return all(s.is_finished and not s.num_forks for s in self.seqs)
 
     def output(self) -> RequestOutput:
-        completions = [
-            CompletionOutput(s.index, d.text, s.output_token_ids, s.finish_reason, s.stop_reason)
-            for s, d in sorted(zip(self.seqs, self.detokenizers), key=lambda sd: sd[0].index)]
+        """The request's state; with best_of > n, finished outputs keep the n most likely."""
+        pairs = sorted(zip(self.seqs, self.detokenizers), key=lambda sd: sd[0].index)
+        finished = self.finished
+        if finished and len(pairs) > self.params.n:
+            pairs = sorted(pairs, key=lambda sd: -sd[0].cumulative_logprob)[:self.params.n]
+        completions = []
+        for index, (s, d) in enumerate(pairs):
+            text = d.text if s.is_finished else d.text[:len(d.text) - _held_back(d.text, s)]
+            completions.append(CompletionOutput(
+                index if finished else s.index, text, s.output_token_ids, s.cumulative_logprob,
+                s.logprobs, s.finish_reason, s.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             self.finished)
+                             finished)
+
+
+def _held_back(text: str, seq: Sequence) -> int:
+    """Length of the longest suffix of `text` that could still begin a stop string."""
+    longest = 0
+    for stop in seq.params.stop:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
 
 
 def resolve_dtype(dtype: str) -> jnp.dtype:
@@ -84,7 +105,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache_config.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         model = load_llama(model_dir, self.model_config, self.dtype, self.attention_backend)
-        self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype)
+        self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
+                                  self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
         self._request_ids = itertools.count()
@@ -134,6 +156,11 @@ class LLMEngine:
         """Queues a prompt; returns its request id. Validates before queueing anything."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {params!r:.80}")
+        bad_ids = params.token_ids_out_of_vocab(self.model_config.vocab_size)
+        if bad_ids:
+            raise ValueError(f"token ids {bad_ids[:8]} in stop_token_ids / logit_bias / "
+                             f"allowed_token_ids are not below vocab_size="
+                             f"{self.model_config.vocab_size}")
         text, ids = self.tokenize_prompt(prompt)
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self.requests:
@@ -141,9 +168,9 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**63))
         # One sequence is prefilled; it forks into the n completions right after (block sharing).
         seq = Sequence(request_id, 0, ids, params, seed)
-        seq.num_forks = params.n - 1
+        seq.num_forks = (params.best_of or params.n) - 1
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self.requests[request_id] = _Request(request_id, text, ids, [seq], [detok])
+        self.requests[request_id] = _Request(request_id, text, ids, [seq], [detok], params)
         self.scheduler.add(seq)
         return request_id
 
@@ -175,10 +202,8 @@ class LLMEngine:
             # Fork before anything is appended or finished: children copy the parent as it was.
             targets = [seq] + [self._fork(request, seq, j) for j in range(1, len(token_ids))]
             seq.num_forks = 0
-            for target, token_id in zip(targets, token_ids):
-                target.token_ids.append(token_id)
-                request.detokenizers[target.index].add_token(token_id)
-                self._check_stop(target)
+            for target, sampled in zip(targets, token_ids):
+                self._append_token(target, sampled, request.detokenizers[target.index])
             touched[seq.request_id] = request
         outputs = []
         for request_id, request in touched.items():
@@ -196,15 +221,46 @@ class LLMEngine:
             self.tokenizer, request.prompt_token_ids, parent.params.skip_special_tokens))
         return child
 
-    def _check_stop(self, seq: Sequence) -> None:
-        token_id, p = seq.token_ids[-1], seq.params
-        if not p.ignore_eos and token_id in self.eos_token_ids:
+    def _append_token(self, seq: Sequence, sampled, detok: IncrementalDetokenizer) -> None:
+        """Appends a sampled token: ids, log-probabilities, text, then the stop checks."""
+        token_id, p = sampled.token_id, seq.params
+        seq.token_ids.append(token_id)
+        seq.cumulative_logprob += sampled.logprob
+        if seq.logprobs is not None:
+            entry = {t: Logprob(lp, rank + 1) for rank, (t, lp) in enumerate(sampled.top)}
+            entry[token_id] = Logprob(sampled.logprob, sampled.rank)
+            for t, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([t])
+            seq.logprobs.append(entry)
+        delta = detok.add_token(token_id)
+        may_stop = seq.num_output_tokens >= p.min_tokens
+        stop = self._find_stop_string(detok, len(delta), p) if may_stop and p.stop else None
+        if stop is not None:
+            self.scheduler.finish(seq, "stop", stop_reason=stop)
+        elif may_stop and not p.ignore_eos and token_id in self.eos_token_ids:
             self.scheduler.finish(seq, "stop")
-        elif token_id in p.stop_token_ids:
+        elif may_stop and token_id in p.stop_token_ids:
             self.scheduler.finish(seq, "stop", stop_reason=token_id)
         elif (seq.num_output_tokens == p.max_tokens
               or seq.num_tokens >= self.scheduler_config.max_model_len):
             self.scheduler.finish(seq, "length")
+
+    @staticmethod
+    def _find_stop_string(detok: IncrementalDetokenizer, num_new_chars: int,
+                          p: SamplingParams) -> str | None:
+        """The earliest stop string in the text that the newest characters complete; truncates
+        the text there (keeping the string if `include_stop_str_in_output`)."""
+        text = detok.text
+        found = None
+        for stop in p.stop:
+            i = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
+            if i >= 0 and (found is None or i < found[0]):
+                found = (i, stop)
+        if found is None:
+            return None
+        i, stop = found
+        detok.text = text[:i + len(stop)] if p.include_stop_str_in_output else text[:i]
+        return stop
 
     def stats(self) -> dict[str, int]:
         """Block and queue counts: num_total_blocks, num_free_blocks, num_used_blocks,

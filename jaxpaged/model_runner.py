@@ -8,6 +8,7 @@ then the jitted sampler; only the sampled token ids come back to the host.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,10 +19,18 @@ from flax import nnx
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import LlamaConfig, LlamaForCausalLM, ModelInput, forward
 from jaxpaged.pallas_kernels import PAD_SLOT_ID, copy_blocks
-from jaxpaged.sampler import sample_jit
+from jaxpaged.sampler import SamplingMetadata, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
 
 MIN_PREFILL_BUCKET = 16  # smallest padded prompt length
+
+
+@dataclasses.dataclass
+class SampledToken:
+    token_id: int
+    logprob: float  # raw model log-probability of the token
+    rank: int  # 1-based rank under the raw distribution
+    top: list[tuple[int, float]] | None  # (token id, log-probability), most likely first
 
 
 def next_power_of_2(n: int) -> int:
@@ -45,8 +54,9 @@ def num_kv_blocks(config: LlamaConfig, cache_config: CacheConfig, dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, num_blocks: int,
-                 dtype):
+                 dtype, eos_token_ids: set[int] = frozenset()):
         self.config = model.config
+        self.eos_token_ids = eos_token_ids
         self.block_size = cache_config.block_size
         # The XLA path reads only cached tokens from the pool; the Pallas kernels read the new
         # ones there too, so their block tables must cover them.
@@ -56,8 +66,8 @@ class ModelRunner:
         self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1)
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
 
-    def execute(self, out: SchedulerOutput) -> list[list[int]]:
-        """Runs one scheduled step; returns each row's sampled token ids.
+    def execute(self, out: SchedulerOutput) -> list[list[SampledToken]]:
+        """Runs one scheduled step; returns each row's sampled tokens.
 
         A row draws `1 + seq.num_forks` samples (a parent about to fork into its n completions
         after its prefill), all others one.
@@ -66,12 +76,19 @@ class ModelRunner:
             self._apply_copies(out.blocks_to_copy)
         batch = self.prepare_input(out)
         logits, self.kv_cache = self._step(self.params, self.kv_cache, batch)
-        tokens = np.asarray(sample_jit(logits, *self.prepare_sampling(out), all_greedy=all(
-            s.params.is_greedy for s in out.seqs))).tolist()
-        per_row, i = [], 0
-        for seq in out.seqs:
-            per_row.append(tokens[i:i + 1 + seq.num_forks])
-            i += 1 + seq.num_forks
+        md, samples = self.prepare_sampling(out)
+        num_logprobs = max((s.params.logprobs or 0) for s in out.seqs)
+        num_logprobs = next_power_of_2(num_logprobs) if num_logprobs else 0
+        res = jax.device_get(sample_jit(
+            logits, md, all_greedy=all(s.params.is_greedy for s in out.seqs),
+            num_logprobs=num_logprobs))
+        per_row = [[] for _ in out.seqs]
+        for i, (row, seq, _) in enumerate(samples):
+            k = seq.params.logprobs
+            top = (None if k is None else
+                   list(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist())))
+            per_row[row].append(SampledToken(int(res.token_ids[i]), float(res.logprobs[i]),
+                                             int(res.ranks[i]), top))
         return per_row
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
@@ -111,26 +128,58 @@ class ModelRunner:
         return ModelInput(input_ids, positions, slot_mapping, block_tables, num_computed,
                           query_lens)
 
-    def prepare_sampling(self, out: SchedulerOutput) -> tuple[np.ndarray, ...]:
-        """Per-sample arrays for `sampler.sample`, padded to a power of two.
+    def prepare_sampling(self, out: SchedulerOutput) -> tuple[SamplingMetadata, list]:
+        """Per-sample arrays for `sampler.sample`, padded to a power of two R.
 
         Sample j of a row drawing several uses seed `seq.seed + j` (mod 2**64), so the j-th of
-        n completions equals a lone request seeded `seed + j` (vLLM's convention).
+        n completions equals a lone request seeded `seed + j` (vLLM's convention). Returns the
+        metadata and the (row, seq, j) of each real sample.
         """
         samples = [(row, seq, j) for row, seq in enumerate(out.seqs)
                    for j in range(1 + seq.num_forks)]
-        R = next_power_of_2(len(samples))
-        row_index = np.zeros((R,), np.int32)
-        temperature = np.zeros((R,), np.float32)
-        top_k = np.zeros((R,), np.int32)
-        top_p = np.ones((R,), np.float32)
+        R, V = next_power_of_2(len(samples)), self.config.vocab_size
+        f = {name: np.zeros((R,), np.float32) for name in
+             ("temperature", "min_p", "frequency_penalty", "presence_penalty")}
+        f["top_p"], f["repetition_penalty"] = np.ones((R,), np.float32), np.ones((R,), np.float32)
+        row_index, top_k, output_index = (np.zeros((R,), np.int32) for _ in range(3))
         seeds = np.zeros((R, 2), np.uint32)
-        output_index = np.zeros((R,), np.int32)
-        for i, (row, seq, j) in enumerate(samples):
-            p = seq.params
+        params = [seq.params for _, seq, _ in samples]
+        use_bias = any(p.logit_bias or p.allowed_token_ids is not None
+                       or seq.num_output_tokens < p.min_tokens
+                       for p, (_, seq, _) in zip(params, samples))
+        use_penalties = any(p.repetition_penalty != 1 or p.frequency_penalty
+                            or p.presence_penalty for p in params)
+        bias = np.zeros((R, V), np.float32) if use_bias else None
+        counts = np.zeros((R, V), np.int32) if use_penalties else None
+        prompt_mask = np.zeros((R, V), bool) if use_penalties else None
+        for i, ((row, seq, j), p) in enumerate(zip(samples, params)):
             seed = (seq.seed + j) % 2**64
-            row_index[i] = row
-            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+            row_index[i], top_k[i], output_index[i] = row, p.top_k, seq.num_output_tokens
             seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
-            output_index[i] = seq.num_output_tokens
-        return row_index, temperature, top_k, top_p, seeds, output_index
+            for name in f:
+                f[name][i] = getattr(p, name)
+            if use_bias:
+                self._fill_bias(bias[i], seq)
+            if use_penalties:
+                np.add.at(counts[i], seq.output_token_ids, 1)
+                prompt_mask[i, seq.token_ids[:seq.num_prompt_tokens]] = True
+        md = SamplingMetadata(
+            row=row_index, temperature=f["temperature"], top_k=top_k, top_p=f["top_p"],
+            min_p=f["min_p"], seeds=seeds, output_index=output_index, logit_bias=bias,
+            output_counts=counts, prompt_mask=prompt_mask,
+            repetition_penalty=f["repetition_penalty"] if use_penalties else None,
+            frequency_penalty=f["frequency_penalty"] if use_penalties else None,
+            presence_penalty=f["presence_penalty"] if use_penalties else None)
+        return md, samples
+
+    def _fill_bias(self, bias: np.ndarray, seq) -> None:
+        """logit_bias, the allowed_token_ids mask, and min_tokens' mask of EOS / stop tokens."""
+        p = seq.params
+        if p.allowed_token_ids is not None:
+            bias[:] = -np.inf
+            bias[p.allowed_token_ids] = 0.0
+        for token_id, value in (p.logit_bias or {}).items():
+            bias[token_id] += value
+        if seq.num_output_tokens < p.min_tokens:
+            stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+            bias[stop_ids] = -np.inf

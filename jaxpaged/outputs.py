@@ -6,14 +6,25 @@ import dataclasses
 
 
 @dataclasses.dataclass
+class Logprob:
+    """A token's log-probability under the raw model distribution (before sampling transforms)."""
+
+    logprob: float
+    rank: int | None = None  # 1-based rank in the vocabulary
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     """One completion of a prompt."""
 
     index: int  # which of the request's n completions
     text: str  # detokenized output, special tokens skipped per SamplingParams
     token_ids: list[int]  # generated ids, including a final EOS or stop token
-    finish_reason: str | None = None  # "stop" (EOS or stop token), "length", or None if running
-    stop_reason: int | None = None  # the stop token id when a stop_token_ids entry ended it
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' log-probabilities
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: top-k and the sampled token
+    finish_reason: str | None = None  # "stop" (EOS, stop token or string), "length", or None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -1,16 +1,54 @@
-"""The batched sampler: one jitted function, per-row parameters, per-row random keys.
+"""The batched sampler: one jitted function, per-sample parameters, per-sample random keys.
 
-A batch may mix greedy and sampled rows and any temperature / top-k / top-p without recompiling;
-only an all-greedy batch takes a separate (argmax-only) compiled variant. A sample's random key is
-`fold_in(fold_in(key(seed_lo), seed_hi), output_index)`, so a seeded request draws the same tokens
-whatever else shares its batch. Several samples may draw from one logits row (the n completions
-of a prompt right after its prefill), each with its own seed.
+A batch may mix greedy and sampled rows, any temperature / top-k / top-p / min-p, penalties and
+logit biases without recompiling per mix: per-sample parameters are arrays. Features no sample of
+the step uses are left out of the arrays (`None`), which picks a smaller compiled variant.
+
+A sample's random key is `fold_in(fold_in(key(seed_lo), seed_hi), output_index)`, so a seeded
+request draws the same tokens whatever else shares its batch. Several samples may draw from one
+logits row (the n completions of a prompt right after its prefill), each with its own seed.
+
+Order of processing (vLLM's): logit bias and token masks, then repetition / frequency / presence
+penalties, then temperature, min-p, top-k and top-p. Returned log-probabilities are those of the
+raw model logits (before any of these).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-sample arrays (R samples, V vocabulary); optional fields are None when unused."""
+
+    row: jax.Array  # i32[R] the logits row each sample draws from
+    temperature: jax.Array  # f32[R]; 0 is greedy
+    top_k: jax.Array  # i32[R]; <= 0 keeps all
+    top_p: jax.Array  # f32[R] in (0, 1]
+    min_p: jax.Array  # f32[R] in [0, 1]
+    seeds: jax.Array  # u32[R, 2] low and high 32 bits of each sample's seed
+    output_index: jax.Array  # i32[R] tokens generated before this one
+    logit_bias: jax.Array | None = None  # f32[R, V] added to the logits; -inf masks a token
+    output_counts: jax.Array | None = None  # i32[R, V] occurrences in the output so far
+    prompt_mask: jax.Array | None = None  # bool[R, V] token occurs in the prompt
+    repetition_penalty: jax.Array | None = None  # f32[R]
+    frequency_penalty: jax.Array | None = None  # f32[R]
+    presence_penalty: jax.Array | None = None  # f32[R]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: jax.Array  # i32[R]
+    logprobs: jax.Array  # f32[R] raw log-probability of each sampled token
+    ranks: jax.Array  # i32[R] 1-based rank of each sampled token under the raw distribution
+    top_ids: jax.Array | None  # i32[R, k] most likely tokens, when logprobs were asked for
+    top_logprobs: jax.Array | None  # f32[R, k]
 
 
 def _sample_key(seed: jax.Array, step: jax.Array) -> jax.Array:
@@ -18,20 +56,32 @@ def _sample_key(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, step)
 
 
+def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Repetition penalty (HF `RepetitionPenaltyLogitsProcessor`: divide positive logits, multiply
+    negative ones, for tokens seen in prompt or output), then frequency and presence penalties
+    (OpenAI semantics, output tokens only)."""
+    counts = md.output_counts
+    seen = md.prompt_mask | (counts > 0)
+    rep = md.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits - md.frequency_penalty[:, None] * counts
+            - md.presence_penalty[:, None] * (counts > 0))
+
+
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Masks to -inf every logit outside each row's top-k, then outside its top-p nucleus.
 
     Args:
-      logits: f32[B, V] (already divided by temperature).
-      top_k: i32[B]; <= 0 keeps all V.
-      top_p: f32[B] in (0, 1]; the smallest set of most likely tokens whose probability reaches
+      logits: f32[R, V] (already divided by temperature).
+      top_k: i32[R]; <= 0 keeps all V.
+      top_p: f32[R] in (0, 1]; the smallest set of most likely tokens whose probability reaches
         top_p is kept (the most likely token always is).
 
     Returns:
-      f32[B, V]. Tokens tied with the last kept one are kept too.
+      f32[R, V]. Tokens tied with the last kept one are kept too.
     """
-    B, V = logits.shape
-    desc = -jnp.sort(-logits, axis=-1)  # [B, V] sorted high to low
+    R, V = logits.shape
+    desc = -jnp.sort(-logits, axis=-1)  # [R, V] sorted high to low
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     rank = jnp.arange(V)[None, :]
     desc = jnp.where(rank < k[:, None], desc, -jnp.inf)
@@ -42,32 +92,40 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.where(logits >= cutoff, logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, row: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array, seeds: jax.Array, output_index: jax.Array, *,
-           all_greedy: bool) -> jax.Array:
+def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
+           num_logprobs: int) -> SamplerOutput:
     """Draws one token per sample.
 
     Args:
       logits: f32[B, V] next-token logits, one row per sequence of the step.
-      row: i32[R] the logits row each sample draws from.
-      temperature: f32[R]; 0 is greedy (argmax).
-      top_k: i32[R]; top_p: f32[R] (see `apply_top_k_top_p`).
-      seeds: u32[R, 2] low and high 32 bits of each sample's seed.
-      output_index: i32[R] how many tokens the sample's sequence has generated before this one.
+      md: per-sample arrays.
       all_greedy: static; True skips sorting and drawing.
+      num_logprobs: static; k of the top-k log-probabilities returned (0: none).
 
     Returns:
-      i32[R] token ids.
+      `SamplerOutput` with i32[R] token ids and their raw log-probabilities.
     """
-    logits = logits[row]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if all_greedy:
-        return greedy
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    scaled = apply_top_k_top_p(scaled, top_k, top_p)
-    keys = jax.vmap(_sample_key)(seeds, output_index)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    raw = logits[md.row]
+    raw_logprobs = jax.nn.log_softmax(raw, axis=-1)
+    x = raw if md.logit_bias is None else raw + md.logit_bias
+    if md.output_counts is not None:
+        x = apply_penalties(x, md)
+    tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if not all_greedy:
+        scaled = x / jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
+        probs = jax.nn.softmax(scaled, axis=-1)
+        scaled = jnp.where(probs >= md.min_p[:, None] * probs.max(-1, keepdims=True), scaled,
+                           -jnp.inf)
+        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+        keys = jax.vmap(_sample_key)(md.seeds, md.output_index)
+        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        tokens = jnp.where(md.temperature > 0, drawn, tokens)
+    sampled_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    ranks = 1 + jnp.sum(raw_logprobs > sampled_logprobs[:, None], axis=-1).astype(jnp.int32)
+    top_ids = top_logprobs = None
+    if num_logprobs:
+        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+    return SamplerOutput(tokens, sampled_logprobs, ranks, top_ids, top_logprobs)
 
 
-sample_jit = jax.jit(sample, static_argnames=("all_greedy",))
+sample_jit = jax.jit(sample, static_argnames=("all_greedy", "num_logprobs"))

@@ -4,23 +4,38 @@ from __future__ import annotations
 
 import dataclasses
 
+MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for per token (vLLM's default)
+
 
 @dataclasses.dataclass
 class SamplingParams:
-    """How to sample the completion of one prompt (vLLM's `SamplingParams` subset).
+    """How to sample the completions of one prompt (vLLM's `SamplingParams`).
 
     Invalid values raise `ValueError` naming the field and the value, when the object is built.
     """
 
     n: int = 1  # completions returned per prompt
+    best_of: int | None = None  # completions generated (>= n); the n most likely are returned
     temperature: float = 1.0  # 0 means greedy (argmax)
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # tokens kept; 0 or -1 means all
-    max_tokens: int | None = 16  # tokens generated at most; None means up to max_model_len
+    min_p: float = 0.0  # drop tokens below min_p * p(most likely), in [0, 1]
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each generated token
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0, HF semantics, over prompt and output tokens
     seed: int | None = None  # per-request seed: same seed, same tokens, whatever the batch
+    stop: list[str] | None = None  # strings that end the completion (excluded from the text)
     stop_token_ids: list[int] | None = None  # token ids that end the completion (kept in ids)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False  # keep generating past the model's EOS token
+    max_tokens: int | None = 16  # tokens generated at most; None means up to max_model_len
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many are generated
+    logprobs: int | None = None  # top log-probabilities returned per output token (+ sampled)
+    prompt_logprobs: int | None = None  # the same for prompt tokens
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    allowed_token_ids: list[int] | None = None  # if set, only these tokens can be sampled
 
     def __post_init__(self):
         def bad(field: str, rule: str):
@@ -28,23 +43,64 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an int >= 1")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            bad("best_of", f"must be an int >= n={self.n} or None")
         if not _is_number(self.temperature) or self.temperature < 0:
             bad("temperature", "must be a number >= 0")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
             bad("top_k", "must be an int: -1, 0 (both mean off) or >= 1")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            bad("max_tokens", "must be an int >= 1 or None")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        for field in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, field)) or not -2 <= getattr(self, field) <= 2:
+                bad(field, "must be in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be a number > 0")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             bad("seed", "must be an int in [0, 2**64) or None")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a string or a list of non-empty strings")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative ints")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be an int >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+                self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", f"must be an int in [0, max_tokens={self.max_tokens}]")
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(field, f"must be an int in [0, {MAX_LOGPROBS}] or None")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100
+                    for k, v in self.logit_bias.items()):
+                bad("logit_bias", "must map non-negative token ids to numbers in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or not all(
+                    _is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                bad("allowed_token_ids", "must be a non-empty list of non-negative ints")
+        for field in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                      "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, "must be a bool")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    def token_ids_out_of_vocab(self, vocab_size: int) -> list[int]:
+        """Token ids named by this request that are not below `vocab_size`."""
+        ids = (self.stop_token_ids + list(self.logit_bias or {})
+               + list(self.allowed_token_ids or []))
+        return sorted({t for t in ids if t >= vocab_size})
 
 
 def _is_int(x) -> bool:

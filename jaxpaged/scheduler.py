@@ -53,7 +53,8 @@ class Scheduler:
 
     def _schedule_prefill(self) -> SchedulerOutput | None:
         seqs, num_tokens = [], []
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and len(self.running) + 1 + self.waiting[0].num_forks
+               <= self.config.max_num_seqs):  # a parent brings its forks along
             seq = self.waiting[0]
             n = seq.num_tokens - seq.num_computed_tokens
             if (sum(num_tokens) + n > self.config.max_num_batched_tokens

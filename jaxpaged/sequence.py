@@ -36,6 +36,8 @@ class Sequence:
         self.params = params
         self.seed = seed  # the sampler's key for output token t is fold_in(key(seed), t)
         self.num_forks = 0  # children still to fork from this sequence after its prefill
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
