@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from pathlib import Path
 
 import jax
@@ -16,7 +17,7 @@ from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.model_runner import ModelRunner, num_kv_blocks
 from jaxpaged.models import LlamaConfig, load_llama
-from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.pallas_kernels import resolve_attention_backend
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
@@ -32,6 +33,8 @@ class _Request:
     detokenizers: list[IncrementalDetokenizer]
 
     params: SamplingParams
+    metrics: RequestMetrics
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -50,7 +53,7 @@ class _Request:
                 index if finished else s.index, text, s.output_token_ids, s.cumulative_logprob,
                 s.logprobs, s.finish_reason, s.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             finished)
+                             finished, self.prompt_logprobs, self.metrics)
 
 
 def _held_back(text: str, seq: Sequence) -> int:
@@ -170,7 +173,8 @@ class LLMEngine:
         seq = Sequence(request_id, 0, ids, params, seed)
         seq.num_forks = (params.best_of or params.n) - 1
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self.requests[request_id] = _Request(request_id, text, ids, [seq], [detok], params)
+        self.requests[request_id] = _Request(request_id, text, ids, [seq], [detok], params,
+                                             RequestMetrics(arrival_time=time.time()))
         self.scheduler.add(seq)
         return request_id
 
@@ -194,11 +198,20 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out is None or not out.seqs:
             return []
-        sampled = self.runner.execute(out)
+        now = time.time()
+        for seq in out.seqs:
+            m = self.requests[seq.request_id].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+        sampled, prompt_lps = self.runner.execute(out)
+        now = time.time()
         touched = {}
-        for seq, q, token_ids in zip(out.seqs, out.num_scheduled_tokens, sampled):
+        for row, (seq, q, token_ids) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
+                                                      sampled)):
             seq.num_computed_tokens += q
             request = self.requests[seq.request_id]
+            if row in prompt_lps and request.prompt_logprobs is None:
+                request.prompt_logprobs = self._prompt_logprob_dicts(request, prompt_lps[row])
+            request.metrics.first_token_time = request.metrics.first_token_time or now
             # Fork before anything is appended or finished: children copy the parent as it was.
             targets = [seq] + [self._fork(request, seq, j) for j in range(1, len(token_ids))]
             seq.num_forks = 0
@@ -207,10 +220,23 @@ class LLMEngine:
             touched[seq.request_id] = request
         outputs = []
         for request_id, request in touched.items():
+            if request.finished:
+                request.metrics.finished_time = time.time()
             outputs.append(request.output())
             if request.finished:
                 del self.requests[request_id]
         return outputs
+
+    def _prompt_logprob_dicts(self, request: _Request, rows: list) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then {id: Logprob} per token."""
+        result = [None]
+        for token_id, (lp, rank, top) in zip(request.prompt_token_ids[1:], rows):
+            entry = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(top)}
+            entry[token_id] = Logprob(lp, rank)
+            for t, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([t])
+            result.append(entry)
+        return result
 
     def _fork(self, request: _Request, parent: Sequence, j: int) -> Sequence:
         """The j-th completion, sharing the parent's prompt blocks; seeded `seed + j`."""

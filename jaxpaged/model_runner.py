@@ -19,7 +19,7 @@ from flax import nnx
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import LlamaConfig, LlamaForCausalLM, ModelInput, forward
 from jaxpaged.pallas_kernels import PAD_SLOT_ID, copy_blocks
-from jaxpaged.sampler import SamplingMetadata, sample_jit
+from jaxpaged.sampler import SamplingMetadata, prompt_logprobs, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
 
 MIN_PREFILL_BUCKET = 16  # smallest padded prompt length
@@ -63,19 +63,33 @@ class ModelRunner:
         self.tables_cover_new_tokens = model.attention_backend != "xla"
         graphdef, self.params = nnx.split(model)
         self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
-        self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1)
+        self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
+                             static_argnames=("all_positions",))
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
 
-    def execute(self, out: SchedulerOutput) -> list[list[SampledToken]]:
-        """Runs one scheduled step; returns each row's sampled tokens.
+    def execute(self, out: SchedulerOutput) -> tuple[list[list[SampledToken]], dict]:
+        """Runs one scheduled step.
 
-        A row draws `1 + seq.num_forks` samples (a parent about to fork into its n completions
-        after its prefill), all others one.
+        Returns:
+          (each row's sampled tokens, {row: prompt logprobs} for rows whose request asked for
+          them and whose prompt this step computed for the first time). A row draws
+          `1 + seq.num_forks` samples (a parent about to fork into its n completions after its
+          prefill), all others one. Prompt logprobs are a list over prompt tokens 1.. of
+          (token logprob, rank, [(id, logprob)] top-k).
         """
         if out.blocks_to_copy:
             self._apply_copies(out.blocks_to_copy)
         batch = self.prepare_input(out)
-        logits, self.kv_cache = self._step(self.params, self.kv_cache, batch)
+        want = [row for row, s in enumerate(out.seqs) if out.is_prefill
+                and s.params.prompt_logprobs is not None and s.num_output_tokens == 0]
+        logits, self.kv_cache = self._step(self.params, self.kv_cache, batch,
+                                           all_positions=bool(want))
+        prompt_lps = {}
+        if want:
+            k = max(out.seqs[row].params.prompt_logprobs for row in want)
+            logits, *plp = prompt_logprobs(logits, batch.input_ids, batch.query_lens,
+                                           num_logprobs=next_power_of_2(k) if k else 0)
+            prompt_lps = self._collect_prompt_logprobs(out, want, jax.device_get(plp))
         md, samples = self.prepare_sampling(out)
         num_logprobs = max((s.params.logprobs or 0) for s in out.seqs)
         num_logprobs = next_power_of_2(num_logprobs) if num_logprobs else 0
@@ -89,7 +103,21 @@ class ModelRunner:
                    list(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist())))
             per_row[row].append(SampledToken(int(res.token_ids[i]), float(res.logprobs[i]),
                                              int(res.ranks[i]), top))
-        return per_row
+        return per_row, prompt_lps
+
+    @staticmethod
+    def _collect_prompt_logprobs(out: SchedulerOutput, rows: list[int], plp) -> dict:
+        target_lp, ranks, top_ids, top_lp = plp
+        collected = {}
+        for row in rows:
+            seq, q = out.seqs[row], out.num_scheduled_tokens[row]
+            k = seq.params.prompt_logprobs
+            collected[row] = [
+                (float(target_lp[row, i]), int(ranks[row, i]),
+                 list(zip(top_ids[row, i, :k].tolist(), top_lp[row, i, :k].tolist()))
+                 if k else [])
+                for i in range(min(q, seq.num_prompt_tokens) - 1)]
+        return collected
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write block copies, padded to a power of two with repeats of the first."""

@@ -39,3 +39,16 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, then per token]
+    metrics: "RequestMetrics | None" = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock times (seconds, `time.time()`) of a request's milestones."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None

@@ -16,6 +16,7 @@ raw model logits (before any of these).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -129,3 +130,30 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
 
 
 sample_jit = jax.jit(sample, static_argnames=("all_greedy", "num_logprobs"))
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def prompt_logprobs(logits: jax.Array, input_ids: jax.Array, query_lens: jax.Array, *,
+                    num_logprobs: int):
+    """Log-probabilities of each prompt token given the ones before it, from a prefill.
+
+    Args:
+      logits: f32[B, Q, V] logits at every new token of the step.
+      input_ids: i32[B, Q] the step's tokens; position i predicts token i + 1.
+      query_lens: i32[B].
+      num_logprobs: static top-k (0: none).
+
+    Returns:
+      (last f32[B, V] logits at each row's last token, target logprobs f32[B, Q], their ranks
+      i32[B, Q], top ids i32[B, Q, k] or None, top logprobs f32[B, Q, k] or None).
+    """
+    B = logits.shape[0]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    target = jnp.concatenate([input_ids[:, 1:], jnp.zeros_like(input_ids[:, :1])], axis=1)
+    target_lp = jnp.take_along_axis(logprobs, target[..., None], axis=-1)[..., 0]
+    ranks = 1 + jnp.sum(logprobs > target_lp[..., None], axis=-1).astype(jnp.int32)
+    top_lp = top_ids = None
+    if num_logprobs:
+        top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    last = logits[jnp.arange(B), jnp.maximum(query_lens - 1, 0)]
+    return last, target_lp, ranks, top_ids, top_lp

@@ -142,16 +142,18 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = (None if config.tie_word_embeddings
                         else _linear(config.hidden_size, config.vocab_size, dtype, rngs))
 
-    def __call__(self, kv_cache: jax.Array, batch: ModelInput) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, kv_cache: jax.Array, batch: ModelInput,
+                 all_positions: bool = False) -> tuple[jax.Array, jax.Array]:
         """Runs one step.
 
         Args:
           kv_cache: f[L, 2, K, P, S, H] the paged KV pool (layout in `pallas_kernels.reference`).
           batch: the step's `ModelInput`, padded to B rows of Q tokens.
+          all_positions: static; return logits at every new token (prompt logprobs).
 
         Returns:
-          (logits, kv_cache): f32[B, V] next-token logits at each row's last new token, and the
-          pool with the new tokens' K/V written.
+          (logits, kv_cache): f32[B, V] next-token logits at each row's last new token (or
+          f32[B, Q, V] at every new token), and the pool with the new tokens' K/V written.
         """
         B, Q = batch.input_ids.shape
         x = self.embed_tokens(batch.input_ids)  # [B, Q, D]
@@ -173,6 +175,8 @@ class LlamaForCausalLM(nnx.Module):
         else:  # each layer already wrote its slice of the pool
             kv_cache = kv_update
 
+        if all_positions:
+            return self.compute_logits(self.norm(x)), kv_cache
         last = jnp.maximum(batch.query_lens - 1, 0)
         x = self.norm(x[jnp.arange(B), last])  # [B, D]
         return self.compute_logits(x), kv_cache
@@ -194,15 +198,16 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_cache: jax.Array,
-            batch: ModelInput) -> tuple[jax.Array, jax.Array]:
+            batch: ModelInput, all_positions: bool = False) -> tuple[jax.Array, jax.Array]:
     """The pure step function: `jax.jit(partial(forward, graphdef), donate_argnums=1)`.
 
     Args:
       graphdef, params: `nnx.split(model)` of a `LlamaForCausalLM`.
       kv_cache: f[L, 2, K, P, S, H] the pool; donated, so the write is in place.
       batch: `ModelInput`.
+      all_positions: static; logits at every new token, f32[B, Q, V].
 
     Returns:
       (f32[B, V] logits at each row's last new token, updated kv_cache).
     """
-    return nnx.merge(graphdef, params)(kv_cache, batch)
+    return nnx.merge(graphdef, params)(kv_cache, batch, all_positions)

@@ -148,3 +148,26 @@ def test_invalid_field_raises_value_error(tiny_llm, field, value):
         tiny_llm.generate("x", SamplingParams(stop_token_ids=[49152]), use_tqdm=False)
     assert len(tiny_llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0]
                .outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("model", ["tiny", pytest.param("default", marks=pytest.mark.slow)])
+def test_prompt_logprobs_equal_hf_log_softmax(model, make_llm, tiny_model_dir,
+                                              default_model_dir):
+    model_dir = tiny_model_dir if model == "tiny" else default_model_dir
+    llm = make_llm(model_dir)
+    reference = hf_model(model_dir)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, ignore_eos=True)
+    for out in llm.generate(PROMPTS, params, use_tqdm=False):
+        ids = out.prompt_token_ids
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids])).logits[0].double()
+        want = torch.log_softmax(logits, -1).numpy()
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for i, entry in enumerate(out.prompt_logprobs[1:]):
+            top3 = np.argsort(-want[i])[:3].tolist()
+            assert set(entry) == set(top3) | {ids[i + 1]}
+            for t, lp in entry.items():
+                assert abs(lp.logprob - want[i, t]) < 1e-4, (i, t)
+            assert entry[ids[i + 1]].rank == 1 + int((want[i] > want[i, ids[i + 1]]).sum())
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
