@@ -7,6 +7,7 @@ from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
+from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxpaged.config import CacheConfig
 from jaxpaged.llm_engine import LLMEngine
 from jaxpaged.model_store import resolve_model
@@ -127,6 +128,33 @@ class LLM:
                 if request_id not in finished:
                     engine.abort_request(request_id)
         return [finished[r] for r in request_ids]
+
+    def beam_search(self, prompts: PromptType | SequenceABC[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (matches HF `generate(num_beams=..., do_sample=False)`).
+
+        Beams share KV blocks (forked by reference count, copy-on-write). Returns one
+        `BeamSearchOutput` per prompt, its `sequences` best first.
+
+        Raises:
+          ValueError: a bad prompt or parameter, or a KV pool too small for all the beams.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {params!r:.80}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        tokenized = [engine.tokenize_prompt(p) for p in prompts]
+        S = engine.cache_config.block_size
+        for _, ids in tokenized:
+            need = params.beam_width * -(-(len(ids) + params.max_tokens) // S)
+            if need > engine.block_manager.num_blocks:
+                raise ValueError(f"beam_width={params.beam_width} over {len(ids)} prompt + "
+                                 f"{params.max_tokens} new tokens needs up to {need} KV blocks; "
+                                 f"the pool has {engine.block_manager.num_blocks}")
+        if engine.has_unfinished_requests():
+            raise RuntimeError("beam_search needs an idle engine")
+        return [beam_search(engine, ids, params) for _, ids in tokenized]
 
     def stats(self) -> dict[str, int]:
         """num_total_blocks, num_free_blocks, num_running, num_waiting, num_preemptions."""
