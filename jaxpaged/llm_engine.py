@@ -229,14 +229,17 @@ class LLMEngine:
 
     def _prompt_logprob_dicts(self, request: _Request, rows: list) -> list:
         """vLLM's prompt_logprobs: None for the first token, then {id: Logprob} per token."""
-        result = [None]
-        for token_id, (lp, rank, top) in zip(request.prompt_token_ids[1:], rows):
-            entry = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(top)}
-            entry[token_id] = Logprob(lp, rank)
-            for t, logprob in entry.items():
-                logprob.decoded_token = self.tokenizer.decode([t])
-            result.append(entry)
-        return result
+        return [None] + [self._logprob_entry(token_id, lp, rank, top) for token_id, (lp, rank, top)
+                         in zip(request.prompt_token_ids[1:], rows)]
+
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int,
+                       top: list[tuple[int, float]]) -> dict[int, Logprob]:
+        """{id: Logprob} for the top-k tokens (ranks 1..k) and the chosen token."""
+        entry = {t: Logprob(lp, r + 1) for r, (t, lp) in enumerate(top)}
+        entry[token_id] = Logprob(logprob, rank)
+        for t, lp in entry.items():
+            lp.decoded_token = self.tokenizer.decode([t])
+        return entry
 
     def _fork(self, request: _Request, parent: Sequence, j: int) -> Sequence:
         """The j-th completion, sharing the parent's prompt blocks; seeded `seed + j`."""
@@ -253,11 +256,8 @@ class LLMEngine:
         seq.token_ids.append(token_id)
         seq.cumulative_logprob += sampled.logprob
         if seq.logprobs is not None:
-            entry = {t: Logprob(lp, rank + 1) for rank, (t, lp) in enumerate(sampled.top)}
-            entry[token_id] = Logprob(sampled.logprob, sampled.rank)
-            for t, lp in entry.items():
-                lp.decoded_token = self.tokenizer.decode([t])
-            seq.logprobs.append(entry)
+            seq.logprobs.append(self._logprob_entry(token_id, sampled.logprob, sampled.rank,
+                                                    sampled.top))
         delta = detok.add_token(token_id)
         may_stop = seq.num_output_tokens >= p.min_tokens
         stop = self._find_stop_string(detok, len(delta), p) if may_stop and p.stop else None
