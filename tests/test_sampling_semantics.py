@@ -171,3 +171,36 @@ def test_prompt_logprobs_equal_hf_log_softmax(model, make_llm, tiny_model_dir,
             assert entry[ids[i + 1]].rank == 1 + int((want[i] > want[i, ids[i + 1]]).sum())
         m = out.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+@pytest.mark.slow
+def test_streamed_partial_texts_of_emoji_and_cjk_output(make_llm, default_model_dir):
+    """The default model answers these with Japanese and emoji: partial texts are prefixes of
+    the final text and never show U+FFFD for a character split across tokens."""
+    llm = make_llm(default_model_dir, max_model_len=512)
+    engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
+    questions = {"cjk": "How do you say hello in Japanese and in Chinese? Answer with the words "
+                        "and a smiley emoji.",
+                 "emoji": "Write three emojis about the sea 🌊"}
+    for rid, question in questions.items():
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                             tokenize=False, add_generation_prompt=True)
+        engine.add_request({"prompt": text, "prompt_token_ids": tokenizer(
+            text, add_special_tokens=False).input_ids},
+            SamplingParams(temperature=0, max_tokens=40), request_id=rid)
+    partials = {rid: [] for rid in questions}
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            partials[out.request_id].append(out.outputs[0].text)
+            if out.finished:
+                finals[out.request_id] = out.outputs[0]
+    assert any("\u3040" <= ch <= "\u9fff" for ch in finals["cjk"].text)  # kana or CJK
+    assert any(ord(ch) >= 0x1F300 for ch in finals["emoji"].text)  # emoji
+    for rid, texts in partials.items():
+        final = finals[rid]
+        # A character cut off by max_tokens is never shown, not even as U+FFFD (as in vLLM).
+        full = tokenizer.decode(final.token_ids, skip_special_tokens=True)
+        assert final.text == full.rstrip("\ufffd")
+        assert not any("\ufffd" in t for t in texts)
+        assert all(final.text.startswith(t) for t in texts) and texts[-1] == final.text
