@@ -119,22 +119,17 @@ def beam_search(engine, prompt_token_ids: list[int], params: BeamSearchParams,
 def _next_beams(scheduler, beams: list[_Beam], chosen) -> list[_Beam]:
     """Extends the chosen (acc, beam, token) continuations: a beam's first continuation reuses
     its sequence, later ones fork it (sharing blocks); beams nobody extends are freed."""
-    users = {}
-    for _, b, _, _ in chosen:
-        users[b] = users.get(b, 0) + 1
+    extended: set[int] = set()  # beams whose own sequence is already taken
     next_beams = []
-    forked = {}
     for acc, b, token, _ in chosen:  # fork first: children copy the beam as it was
-        parent = beams[b].seq
-        if b in forked:
-            child = parent.fork(index=0, seed=0)
-            scheduler.fork(parent, child)
-            next_beams.append((child, acc, token))
-        else:
-            forked[b] = True
-            next_beams.append((parent, acc, token))
+        seq = beams[b].seq
+        if b in extended:
+            seq = seq.fork(index=0, seed=0)
+            scheduler.fork(beams[b].seq, seq)
+        extended.add(b)
+        next_beams.append((seq, acc, token))
     for b, beam in enumerate(beams):
-        if b not in users:
+        if b not in extended:
             scheduler.finish(beam.seq, "abort")
     for seq, _, token in next_beams:
         seq.token_ids.append(token)

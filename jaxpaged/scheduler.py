@@ -28,10 +28,6 @@ class SchedulerOutput:
     preempted: list[Sequence]  # sent back to waiting while building this step
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
