@@ -21,7 +21,7 @@ from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from jaxpaged.pallas_kernels import resolve_attention_backend
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Sequence
+from jaxpaged.sequence import Sequence, completion_seed
 
 
 @dataclasses.dataclass
@@ -205,18 +205,18 @@ class LLMEngine:
         sampled, prompt_lps = self.runner.execute(out)
         now = time.time()
         touched = {}
-        for row, (seq, q, token_ids) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
-                                                      sampled)):
+        for row, (seq, q, row_samples) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
+                                                        sampled)):
             seq.num_computed_tokens += q
             request = self.requests[seq.request_id]
             if row in prompt_lps and request.prompt_logprobs is None:
                 request.prompt_logprobs = self._prompt_logprob_dicts(request, prompt_lps[row])
             request.metrics.first_token_time = request.metrics.first_token_time or now
             # Fork before anything is appended or finished: children copy the parent as it was.
-            targets = [seq] + [self._fork(request, seq, j) for j in range(1, len(token_ids))]
+            targets = [seq] + [self._fork(request, seq, j) for j in range(1, len(row_samples))]
             seq.num_forks = 0
-            for target, sampled in zip(targets, token_ids):
-                self._append_token(target, sampled, request.detokenizers[target.index])
+            for target, token in zip(targets, row_samples):
+                self._append_token(target, token, request.detokenizers[target.index])
             touched[seq.request_id] = request
         outputs = []
         for request_id, request in touched.items():
@@ -243,7 +243,7 @@ class LLMEngine:
 
     def _fork(self, request: _Request, parent: Sequence, j: int) -> Sequence:
         """The j-th completion, sharing the parent's prompt blocks; seeded `seed + j`."""
-        child = parent.fork(index=j, seed=(parent.seed + j) % 2**64)
+        child = parent.fork(index=j, seed=completion_seed(parent.seed, j))
         self.scheduler.fork(parent, child)
         request.seqs.append(child)
         request.detokenizers.append(IncrementalDetokenizer(

@@ -21,6 +21,7 @@ from jaxpaged.models import LlamaConfig, LlamaForCausalLM, ModelInput, forward
 from jaxpaged.pallas_kernels import PAD_SLOT_ID, copy_blocks
 from jaxpaged.sampler import SamplingMetadata, prompt_logprobs, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
+from jaxpaged.sequence import completion_seed
 
 MIN_PREFILL_BUCKET = 16  # smallest padded prompt length
 
@@ -181,7 +182,7 @@ class ModelRunner:
         counts = np.zeros((R, V), np.int32) if use_penalties else None
         prompt_mask = np.zeros((R, V), bool) if use_penalties else None
         for i, ((row, seq, j), p) in enumerate(zip(samples, params)):
-            seed = (seq.seed + j) % 2**64
+            seed = completion_seed(seq.seed, j)
             row_index[i], top_k[i], output_index[i] = row, p.top_k, seq.num_output_tokens
             seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
             for name in f:

@@ -8,6 +8,11 @@ import itertools
 from jaxpaged.sampling_params import SamplingParams
 
 
+def completion_seed(seed: int, index: int) -> int:
+    """Seed of a request's completion `index`: seed + index (vLLM's convention for n > 1)."""
+    return (seed + index) % 2**64
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
