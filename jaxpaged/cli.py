@@ -1,4 +1,4 @@
-"""Command line: `jaxpaged generate`, `jaxpaged chat`, `jaxpaged prepare`."""
+"""Command line: `jaxpaged generate`, `jaxpaged chat`, `jaxpaged serve`, `jaxpaged prepare`."""
 
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto (f32 on CPU, bf16 on GPU), float32, ...")
     g.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step; default max(max_model_len, 2048)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="blocks in the KV pool")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=2 << 30,
+                   help="KV pool budget in bytes, when --num-kv-blocks is not given")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "pallas", "pallas-interpret", "xla"])
-    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seeds the sampling of requests that give no seed")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (gen, chat):
         _add_engine_args(p)
         _add_sampling_args(p)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_engine_args(serve)
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--api-key", default=None,
+                   help="if set, /v1/* requests need 'Authorization: Bearer <key>'")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients use; default: --model as given")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
     sub.add_parser("prepare", help="import the embedded default model into $JAXPAGED_HOME")
     return parser
 
@@ -51,20 +67,41 @@ def main(argv: list[str] | None = None) -> int:
             from jaxpaged.model_store import ensure_default_model
             print(ensure_default_model())
             return 0
+        if args.command == "serve":
+            return _serve(args)
         return _generate(args)
     except ValueError as e:
         print(f"jaxpaged: error: {e}", file=sys.stderr)
         return 2
 
 
+def _build_llm(args: argparse.Namespace):
+    from jaxpaged import LLM
+
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+               attention_backend=args.attention_backend, seed=args.seed)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from jaxpaged.model_store import DEFAULT_MODEL
+    from jaxpaged.server import run_server
+
+    llm = _build_llm(args)
+    model_name = args.served_model_name or args.model or DEFAULT_MODEL
+    run_server(llm, model_name, host=args.host, port=args.port, api_key=args.api_key,
+               model_root=str(args.model or DEFAULT_MODEL), log_level=args.log_level)
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
-    from jaxpaged import LLM, SamplingParams
+    from jaxpaged import SamplingParams
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-              num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend)
+                            top_k=args.top_k, max_tokens=args.max_tokens)
+    llm = _build_llm(args)
     if args.command == "chat":
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.message})

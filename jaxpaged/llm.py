@@ -91,21 +91,26 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, via the model's chat template.
 
         Args:
           messages: `[{"role": ..., "content": ...}, ...]` or a list of such conversations.
+          add_generation_prompt: end the prompt with the template's assistant header.
+          continue_final_message: leave the last message open, so the reply continues it
+            (exclusive with `add_generation_prompt`).
+
+        Raises:
+          ValueError: an empty conversation, or one the chat template rejects.
         """
         if not messages:
             raise ValueError("messages is empty: give a conversation or a list of them")
         conversations = messages if isinstance(messages[0], list) else [messages]
-        tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-            ids = tokenizer(text, add_special_tokens=False).input_ids
+            text, ids = self.llm_engine.chat_prompt(conversation, add_generation_prompt,
+                                                    continue_final_message)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import jax
+import jinja2
 import jax.numpy as jnp
 import numpy as np
 from transformers import AutoTokenizer, GenerationConfig
@@ -113,6 +114,8 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
         self._request_ids = itertools.count()
+        self.num_prompt_tokens = 0  # tokens computed by prefills (recomputes included)
+        self.num_generation_tokens = 0  # tokens sampled
 
     def _eos_token_ids(self, model_dir: Path) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -153,6 +156,26 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room for output "
                              f"under max_model_len={max_len}")
         return text, ids
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> tuple[str, list[int]]:
+        """(text, token ids) of a conversation rendered with the model's chat template.
+
+        The template adds the special tokens, so the text is tokenized without adding more.
+
+        Raises:
+          ValueError: the conversation is empty or the template rejects it (for example
+            `continue_final_message` with `add_generation_prompt`, or a role it does not know).
+        """
+        if not messages:
+            raise ValueError("messages is empty: give at least one message")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
     def add_request(self, prompt: str | dict, params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -208,6 +231,8 @@ class LLMEngine:
         for row, (seq, q, row_samples) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
                                                         sampled)):
             seq.num_computed_tokens += q
+            self.num_prompt_tokens += q if out.is_prefill else 0
+            self.num_generation_tokens += len(row_samples)
             request = self.requests[seq.request_id]
             if row in prompt_lps and request.prompt_logprobs is None:
                 request.prompt_logprobs = self._prompt_logprob_dicts(request, prompt_lps[row])
@@ -291,15 +316,23 @@ class LLMEngine:
     def stats(self) -> dict[str, int]:
         """Block and queue counts: num_total_blocks, num_free_blocks, num_used_blocks,
         num_shared_blocks, num_cow_copies, num_running, num_waiting (sequences),
-        num_preemptions."""
-        bm = self.block_manager
+        num_running_requests, num_waiting_requests (requests with a running sequence / with
+        all sequences waiting), and the running totals num_preemptions, num_prompt_tokens,
+        num_generation_tokens."""
+        bm, scheduler = self.block_manager, self.scheduler
+        running_requests = {s.request_id for s in scheduler.running}
+        waiting_requests = {s.request_id for s in scheduler.waiting} - running_requests
         return {
             "num_total_blocks": bm.num_blocks,
             "num_free_blocks": bm.num_free_blocks,
             "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
             "num_shared_blocks": bm.num_shared_blocks,
             "num_cow_copies": bm.num_cow_copies,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+            "num_running_requests": len(running_requests),
+            "num_waiting_requests": len(waiting_requests),
+            "num_preemptions": scheduler.num_preemptions,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
         }

@@ -1,0 +1,228 @@
+"""`AsyncLLMEngine`: the engine behind an event loop, for servers.
+
+One background task steps the engine while requests are added and aborted concurrently, and
+hands each request its outputs as they are produced (vLLM's `AsyncLLMEngine` does the same).
+
+The engine is not thread-safe, and a step blocks for as long as the model runs. So every call
+into it (`step`, `add_request`, `abort_request`, tokenizer use, `stats`) runs on one worker
+thread, in submission order: the event loop stays free to serve HTTP while a step runs, a request
+added or aborted during a step takes effect right after it, before the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from jaxpaged.llm_engine import LLMEngine
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """A step raised: the engine stopped, and every unfinished request was failed with this."""
+
+
+class AsyncLLMEngine:
+    """Wraps an `LLMEngine` (for example `LLM(...).llm_engine`) for use from asyncio.
+
+    Use it from one event loop; `start()` there before the first request (or let the first
+    `generate` start it), and `shutdown()` at the end.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, "jaxpaged-engine")
+        self._streams: dict[str, RequestStream] = {}  # unfinished requests
+        self._has_work: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._stats = engine.stats()  # as of the last call into the engine
+        self.dead: BaseException | None = None  # the error that stopped the step loop
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.scheduler_config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the step loop on the running event loop (idempotent)."""
+        if self._loop_task is None:
+            self._has_work = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+
+    async def shutdown(self) -> None:
+        """Stops the step loop, aborts what is left, and waits for the worker thread."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+        for stream in list(self._streams.values()):
+            stream.close()
+        self._worker.shutdown(wait=True)
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """Runs `fn(*args)` on the engine's thread, after what is already queued there."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self._call,
+                                                                fn, *args)
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        finally:
+            self._stats = self.engine.stats()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def add_request(self, prompt: str | dict, params: SamplingParams,
+                          request_id: str) -> RequestStream:
+        """Queues a request; returns the stream of its outputs. Validates before queueing.
+
+        Args:
+          prompt: text, or `{"prompt_token_ids": [...], "prompt": optional text}`.
+          request_id: unique among unfinished requests.
+
+        Raises:
+          ValueError: the prompt, parameters or request id are invalid (nothing was queued).
+          EngineDeadError: the step loop has stopped on an error.
+        """
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead!r}") from self.dead
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.start()
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        try:
+            await self.run(self.engine.add_request, prompt, params, request_id)
+        except ValueError:
+            del self._streams[request_id]
+            raise
+        except BaseException:  # cancelled while the add was queued: undo it once it has run
+            stream.close()
+            raise
+        self._has_work.set()
+        return stream
+
+    async def generate(self, prompt: str | dict, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """`add_request`, then its outputs; leaving the loop early aborts the request."""
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a request (unknown ids are ignored); its stream ends."""
+        stream = self._streams.pop(request_id, None)
+        await self.run(self.engine.abort_request, request_id)
+        if stream is not None:
+            stream.put(None)
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Queues an abort without awaiting it (callable from a cancelled task's cleanup)."""
+        self._streams.pop(request_id, None)
+        try:
+            self._worker.submit(self._call, self.engine.abort_request, request_id)
+        except RuntimeError:  # after shutdown(): the engine is gone, nothing holds blocks
+            pass
+
+    async def tokenize_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        """`LLMEngine.tokenize_prompt` on the engine's thread."""
+        return await self.run(self.engine.tokenize_prompt, prompt)
+
+    async def chat_prompt(self, messages: list[dict], **template_kwargs) -> tuple[str, list[int]]:
+        """`LLMEngine.chat_prompt` on the engine's thread."""
+        return await self.run(lambda: self.engine.chat_prompt(messages, **template_kwargs))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """Text of `token_ids`, special tokens included."""
+        return await self.run(self.engine.tokenizer.decode, token_ids)
+
+    def stats(self) -> dict[str, int]:
+        """`LLMEngine.stats()` as of the last call into the engine (no waiting on a step)."""
+        return dict(self._stats)
+
+    # -- the step loop ----------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        while True:
+            await self._has_work.wait()
+            try:
+                outputs = await self.run(self.engine.step)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bug in a step: fail every request rather than hang them
+                logger.exception("engine step failed; stopping the engine")
+                self.dead = e
+                for stream in self._streams.values():
+                    stream.put(e)
+                self._streams.clear()
+                return
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream.put(output)
+                    if output.finished:
+                        del self._streams[output.request_id]
+            # Requests added while the step ran are in the engine already (their add ran on
+            # the worker before this check could), so this never clears a pending wake-up.
+            if not self.engine.has_unfinished_requests():
+                self._has_work.clear()
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; `close()` aborts it if unfinished.
+
+    Ends after the output with `finished=True`, or early (no error) if the request is aborted.
+
+    Raises (from iteration):
+      EngineDeadError: a step failed.
+    """
+
+    def __init__(self, request_id: str, engine: AsyncLLMEngine):
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()  # outputs; None = aborted; or an error
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException | None) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is None:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise EngineDeadError(f"the engine stopped: {item!r}") from item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Aborts the request unless it finished; synchronous, so safe in any cleanup."""
+        if not self.finished:
+            self.finished = True
+            self._engine._abort_soon(self.request_id)

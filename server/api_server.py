@@ -1,0 +1,190 @@
+"""The OpenAI-compatible HTTP server: a Starlette app around an `AsyncLLMEngine`.
+
+    jaxpaged serve [--model M] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+`GET /version`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`. Errors carry OpenAI's body
+`{"error": {"message", "type", "param", "code"}}`: 400 for invalid input, 401 for a missing or
+wrong API key on `/v1/*`, 404 for an unknown model or route, 500 if the engine fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+
+import pydantic
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+import jaxpaged
+from jaxpaged.async_llm_engine import AsyncLLMEngine
+from jaxpaged.server import protocol as api
+from jaxpaged.server.metrics import ServerMetrics
+from jaxpaged.server.serving import APIError, OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
+              model_root: str | None = None) -> Starlette:
+    """The app serving `engine` as model `model_name`; `/v1/*` needs `api_key` if one is set.
+
+    The engine's step loop starts and stops with the app (its lifespan).
+    """
+    metrics = ServerMetrics(engine, model_name)
+    serving = OpenAIServing(engine, model_name, on_finished=metrics.observe_finished)
+
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, api.CompletionRequest)
+        return await _respond(request, serving.create_completion(req))
+
+    async def chat_completions(request: Request) -> Response:
+        req = await _parse(request, api.ChatCompletionRequest)
+        return await _respond(request, serving.create_chat_completion(req))
+
+    async def models(request: Request) -> Response:
+        card = api.ModelCard(id=model_name, root=model_root, max_model_len=engine.max_model_len)
+        return JSONResponse(api.ModelList(data=[card]).model_dump())
+
+    async def health(request: Request) -> Response:
+        if engine.dead is not None:
+            return _error(APIError(f"the engine stopped: {engine.dead!r}", 503,
+                                   type="server_error"))
+        return Response(status_code=200)
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": jaxpaged.__version__})
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def tokenize(request: Request) -> Response:
+        req = await _parse(request, api.TokenizeRequest)
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            _, ids = await serving.chat_prompt(req.messages, req.add_generation_prompt,
+                                               req.continue_final_message)
+        else:
+            ids = await engine.run(lambda: engine.tokenizer(
+                req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
+        return JSONResponse(api.TokenizeResponse(
+            count=len(ids), max_model_len=engine.max_model_len, tokens=ids).model_dump())
+
+    async def detokenize(request: Request) -> Response:
+        req = await _parse(request, api.DetokenizeRequest)
+        serving.check_model(req.model)
+        bad = [t for t in req.tokens if t >= engine.vocab_size]
+        if bad:
+            raise APIError(f"tokens {bad[:8]} are not ids in [0, {engine.vocab_size})",
+                           param="tokens")
+        return JSONResponse(api.DetokenizeResponse(
+            prompt=await engine.decode(req.tokens)).model_dump())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        APIError: lambda request, e: _error(e),
+        HTTPException: lambda request, e: _error(APIError(
+            e.detail, e.status_code, code="not_found" if e.status_code == 404 else None)),
+        Exception: _internal_error,
+    })
+    if api_key is not None:
+        app.add_middleware(_BearerAuth, api_key=api_key)
+    return app
+
+
+async def _parse(request: Request, model: type[pydantic.BaseModel]):
+    """The JSON body as `model`; 400 naming the first bad field."""
+    try:
+        return model.model_validate_json(await request.body())
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise APIError(f"{param}: {first['msg']}" if param else first["msg"], param=param) from e
+
+
+async def _respond(request: Request, handler) -> Response:
+    """Runs a handler; streams its SSE iterator or sends its JSON. A client that disconnects
+    before a non-streamed response is ready cancels the handler (aborting its requests)."""
+    result = await _cancel_on_disconnect(request, handler)
+    if isinstance(result, pydantic.BaseModel):
+        return JSONResponse(result.model_dump(mode="json"))
+    # StreamingResponse cancels the iterator when the client disconnects.
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _cancel_on_disconnect(request: Request, coro):
+    work = asyncio.ensure_future(coro)
+
+    async def wait_for_disconnect():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not work.done():
+        work.cancel()
+        raise APIError("the client disconnected", 499)
+    return work.result()
+
+
+class _BearerAuth:
+    """ASGI middleware: `/v1/*` needs `Authorization: Bearer <api_key>`, else 401."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error(APIError("Incorrect or missing API key: send "
+                                           "'Authorization: Bearer <key>'", 401,
+                                           code="invalid_api_key"))
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    return _error(APIError(f"internal server error: {e!r}", 500, type="server_error"))
+
+
+def run_server(llm: jaxpaged.LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+               api_key: str | None = None, model_root: str | None = None,
+               log_level: str = "info") -> None:
+    """Serves `llm`'s engine with uvicorn until interrupted."""
+    import uvicorn
+
+    app = build_app(AsyncLLMEngine(llm.llm_engine), model_name, api_key, model_root)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,388 @@
+"""`/v1/completions` and `/v1/chat/completions`: validated requests in, engine streams out.
+
+Each prompt of a request becomes one engine request (`{request id}-{prompt index}`); choice
+`i * n + j` is completion `j` of prompt `i`. Every prompt is tokenized, length-checked and added
+before any response byte is sent, so a bad request gets a 400 and leaves nothing queued. Streams
+carry server-sent events in OpenAI's chunk format and end with `data: [DONE]`; leaving a stream
+early (the client disconnects) aborts its engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from pydantic import BaseModel
+
+from jaxpaged.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.server import protocol as api
+from jaxpaged.server.logprobs import chat_logprobs, completion_logprobs
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body `{"error": {message, type, param, code}}`."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.code, self.type = status, param, code, type
+
+    def body(self) -> dict:
+        return api.ErrorResponse(error=api.ErrorInfo(
+            message=str(self), type=self.type, param=self.param, code=self.code)).model_dump()
+
+
+def sse(data: BaseModel | dict | str) -> str:
+    """One server-sent event."""
+    if isinstance(data, BaseModel):
+        data = data.model_dump_json()
+    elif isinstance(data, dict):
+        data = api.ErrorResponse.model_validate(data).model_dump_json()
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    """Handlers for one served model. `on_finished(output)` sees each finished request."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str,
+                 on_finished: Callable[[RequestOutput], None] = lambda output: None):
+        self.engine = engine
+        self.model_name = model_name
+        self.on_finished = on_finished
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model", "model_not_found")
+
+    # -- shared steps -----------------------------------------------------------------------
+
+    def _max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int:
+        """`requested`, or all the room left when None; 400 past `max_model_len`."""
+        limit = self.engine.max_model_len
+        if requested is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + requested > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, "
+                f"{requested} for the completion). Reduce the prompt or max_tokens.",
+                param="max_tokens")
+        return requested
+
+    async def _tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        try:
+            return await self.engine.tokenize_prompt(prompt)
+        except ValueError as e:
+            raise APIError(str(e), param="prompt") from e
+
+    async def _add(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                   make_params: Callable) -> list[RequestStream]:
+        """Adds one engine request per prompt; on any error, aborts those already added."""
+        streams = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                params = make_params(ids)
+                streams.append(await self.engine.add_request(
+                    {"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}"))
+        except ValueError as e:
+            for stream in streams:
+                stream.close()
+            raise APIError(str(e)) from e
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
+
+    async def _outputs(self, streams: list[RequestStream]
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as the engine produces them; closing aborts the rest."""
+        try:
+            async for i, output in _merge(streams):
+                if output.finished:
+                    self.on_finished(output)
+                yield i, output
+        finally:
+            for stream in streams:
+                stream.close()
+
+    async def _final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for i, output in self._outputs(streams):
+            finals[i] = output
+        if not all(f is not None and f.finished for f in finals):
+            raise APIError("the request was aborted", 500, type="server_error")
+        return finals
+
+    @staticmethod
+    def _usage(finals: list[RequestOutput]) -> api.UsageInfo:
+        prompt = sum(len(f.prompt_token_ids) for f in finals)
+        completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+        return api.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                             total_tokens=prompt + completion)
+
+    # -- /v1/completions --------------------------------------------------------------------
+
+    async def create_completion(self, req: api.CompletionRequest
+                                ) -> api.CompletionResponse | AsyncIterator[str]:
+        """The response, or an iterator of SSE strings when `req.stream`.
+
+        Raises:
+          APIError: 400 for invalid parameters or prompts, 404 for an unknown model.
+        """
+        self.check_model(req.model)
+        if req.suffix is not None:
+            raise APIError("suffix is not supported", param="suffix")
+        if req.stream and req.best_of not in (None, req.n):
+            raise APIError("best_of must equal n when streaming", param="best_of")
+        # (text, ids, the first token's text): echo needs the text, also of token-id prompts
+        prompts = [(text, ids, None) for text, ids in
+                   [await self._tokenize(p) for p in _split_prompts(req.prompt)]]
+        if req.echo:
+            prompts = [(text if text is not None else await self.engine.decode(ids), ids,
+                        await self.engine.decode(ids[:1])) for text, ids, _ in prompts]
+
+        def make_params(ids):
+            try:
+                return req.sampling_params(
+                    self._max_tokens(req.max_tokens, len(ids)), req.logprobs,
+                    req.logprobs if req.echo else None, req.best_of)
+            except ValueError as e:
+                raise APIError(str(e)) from e
+
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._add(request_id, [p[:2] for p in prompts], make_params)
+        if req.stream:
+            return self._completion_stream(req, request_id, prompts, streams)
+        finals = await self._final_outputs(streams)
+        choices = [self._completion_choice(req, i * req.n + c.index, prompts[i], f, c)
+                   for i, f in enumerate(finals) for c in f.outputs]
+        return api.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=self._usage(finals))
+
+    def _completion_choice(self, req: api.CompletionRequest, index: int,
+                           prompt: tuple[str, list[int]], output: RequestOutput,
+                           c: CompletionOutput, seen: tuple[int, int] = (0, 0)
+                           ) -> api.CompletionChoice:
+        """Choice `index` from `c`, less the (tokens, characters) `seen` in earlier chunks of
+        a stream; an echoed choice starts with the prompt the first time it is sent."""
+        seen_tokens, seen_chars = seen
+        text, echo = c.text[seen_chars:], req.echo and seen == (0, 0)
+        logprobs = None
+        if req.logprobs is not None:
+            ids, lps = c.token_ids[seen_tokens:], c.logprobs[seen_tokens:]
+            offset = seen_chars + (len(prompt[0]) if req.echo else 0)
+            if echo:  # the prompt's first token has no log-probability: None, as in OpenAI's
+                ids, lps, offset = output.prompt_token_ids + ids, output.prompt_logprobs + lps, 0
+            logprobs = completion_logprobs(ids, lps, offset, first_token_text=prompt[2])
+        return api.CompletionChoice(index=index, text=prompt[0] + text if echo else text,
+                                    logprobs=logprobs, finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason)
+
+    async def _completion_stream(self, req, request_id, prompts, streams) -> AsyncIterator[str]:
+        created = int(time.time())
+        progress, finals = _Progress(), []
+        try:
+            async for i, output in self._outputs(streams):
+                choices = []
+                for c in output.outputs:
+                    index = i * req.n + c.index
+                    seen = progress.advance(index, c, req.logprobs is not None, req.echo)
+                    if seen is not None:
+                        choices.append(self._completion_choice(req, index, prompts[i], output,
+                                                               c, seen))
+                if choices:
+                    yield sse(api.CompletionResponse(id=request_id, created=created,
+                                                     model=self.model_name, choices=choices))
+                if output.finished:
+                    finals.append(output)
+            if req.include_usage:
+                yield sse(api.CompletionResponse(id=request_id, created=created,
+                                                 model=self.model_name, choices=[],
+                                                 usage=self._usage(finals)))
+        except (EngineDeadError, APIError) as e:
+            yield sse(_error_body(e))
+        yield "data: [DONE]\n\n"
+
+    # -- /v1/chat/completions ---------------------------------------------------------------
+
+    async def create_chat_completion(self, req: api.ChatCompletionRequest
+                                     ) -> api.ChatCompletionResponse | AsyncIterator[str]:
+        """The response, or an iterator of SSE strings when `req.stream`.
+
+        Raises:
+          APIError: 400 for invalid parameters or messages, 404 for an unknown model.
+        """
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        prompt = await self.chat_prompt(req.messages, req.add_generation_prompt,
+                                        req.continue_final_message)
+        requested = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+
+        def make_params(ids):
+            try:
+                return req.sampling_params(self._max_tokens(requested, len(ids)), logprobs)
+            except ValueError as e:
+                raise APIError(str(e)) from e
+
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._add(request_id, [prompt], make_params)
+        if req.stream:
+            return self._chat_stream(req, request_id, streams)
+        [final] = await self._final_outputs(streams)
+        choices = [api.ChatChoice(index=c.index, message=api.AssistantMessage(content=c.text),
+                                  logprobs=self._chat_logprobs(req, c.token_ids, c.logprobs),
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in final.outputs]
+        return api.ChatCompletionResponse(id=request_id, model=self.model_name,
+                                          choices=choices, usage=self._usage([final]))
+
+    async def chat_prompt(self, messages: list[api.ChatMessage], add_generation_prompt: bool,
+                          continue_final_message: bool) -> tuple[str, list[int]]:
+        """(text, ids) of the conversation under the chat template; 400 if it is rejected."""
+        conversation = [{"role": m.role, "content": _text_content(m)} for m in messages]
+        try:
+            return await self.engine.chat_prompt(
+                conversation, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from e
+
+    @staticmethod
+    def _chat_logprobs(req, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None
+                       ) -> api.ChatLogprobs | None:
+        if not req.logprobs:
+            return None
+        return api.ChatLogprobs(content=chat_logprobs(token_ids, logprobs, req.top_logprobs or 0))
+
+    async def _chat_stream(self, req, request_id, streams) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices, usage=None):
+            return sse(_drop_none_deltas(api.ChatCompletionChunk(
+                id=request_id, created=created, model=self.model_name, choices=choices,
+                usage=usage)))
+
+        progress, finals = _Progress(), []
+        try:
+            yield chunk([api.ChatChunkChoice(index=j, delta=api.DeltaMessage(
+                role="assistant", content="")) for j in range(req.n)])
+            async for _, output in self._outputs(streams):
+                choices = []
+                for c in output.outputs:
+                    seen = progress.advance(c.index, c, req.logprobs)
+                    if seen is None:
+                        continue
+                    seen_tokens, seen_chars = seen
+                    lps = None if c.logprobs is None else c.logprobs[seen_tokens:]
+                    choices.append(api.ChatChunkChoice(
+                        index=c.index, delta=api.DeltaMessage(content=c.text[seen_chars:]),
+                        logprobs=self._chat_logprobs(req, c.token_ids[seen_tokens:], lps),
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                if choices:
+                    yield chunk(choices)
+                if output.finished:
+                    finals.append(output)
+            if req.include_usage:
+                yield chunk([], self._usage(finals))
+        except (EngineDeadError, APIError) as e:
+            yield sse(_error_body(e))
+        yield "data: [DONE]\n\n"
+
+
+class _Progress:
+    """How much of each choice a stream has sent, as (tokens, characters)."""
+
+    def __init__(self):
+        self.sent: dict[int, tuple[int, int]] = {}
+        self.done: set[int] = set()
+
+    def advance(self, index: int, c: CompletionOutput, with_tokens: bool,
+                send_first: bool = False) -> tuple[int, int] | None:
+        """What was sent of choice `index` before, if `c` has more to send (new text, new
+        tokens when `with_tokens`, its finish, or anything at all the first time when
+        `send_first`); None when there is nothing new or the choice has finished."""
+        if index in self.done:
+            return None
+        seen = self.sent.get(index, (0, 0))
+        if not (len(c.text) > seen[1] or (with_tokens and len(c.token_ids) > seen[0])
+                or c.finish_reason or (send_first and index not in self.sent)):
+            return None
+        self.sent[index] = (len(c.token_ids), len(c.text))
+        if c.finish_reason:
+            self.done.add(index)
+        return seen
+
+
+def _split_prompts(prompt) -> list[str | dict]:
+    """The prompts of a completion request: one text or id list, or a list of them."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError("prompt is empty", param="prompt")
+    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+
+def _text_content(message: api.ChatMessage) -> str:
+    """A message's text; content parts other than text get a 400."""
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise APIError(f"content part of type {part.type!r} is not supported; only text",
+                           param="messages")
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def _drop_none_deltas(chunk: api.ChatCompletionChunk) -> str:
+    """JSON of a chunk whose deltas carry only the fields they set (`role` once, then text)."""
+    data = chunk.model_dump(mode="json")
+    for choice in data["choices"]:
+        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def _error_body(e: Exception) -> dict:
+    if isinstance(e, APIError):
+        return e.body()
+    return APIError(str(e), 500, type="server_error").body()
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several streams' outputs in arrival order, as (stream index, output)."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream):
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()

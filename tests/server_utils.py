@@ -1,0 +1,52 @@
+"""A real uvicorn server on a free port of 127.0.0.1, run in a thread, for the server tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from jaxpaged import LLM
+from jaxpaged.async_llm_engine import AsyncLLMEngine
+from jaxpaged.server import build_app
+
+
+class ServerThread:
+    """Serves `llm` as `model_name`; `url` is its root, `engine` its `AsyncLLMEngine`."""
+
+    def __init__(self, llm: LLM, model_name: str, api_key: str | None = None):
+        self.engine = AsyncLLMEngine(llm.llm_engine)
+        self.model_name = model_name
+        app = build_app(self.engine, model_name, api_key=api_key)
+        self._socket = socket.socket()
+        self._socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run,
+                                        kwargs={"sockets": [self._socket]}, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self._socket.close()
+
+    def stats(self) -> dict[str, float]:
+        """The engine gauges of `GET /metrics`, by name without the `jaxpaged:` prefix."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics").text
+        return {family.name.removeprefix("jaxpaged:"): family.samples[0].value
+                for family in text_string_to_metric_families(text)
+                if family.type in ("gauge", "counter") and family.samples}
