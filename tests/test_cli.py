@@ -1,9 +1,17 @@
-"""The command line: `jaxpaged generate` and `jaxpaged chat` print what `LLM` returns."""
+"""The command line: `jaxpaged generate` and `jaxpaged chat` print what `LLM` returns, and
+`jaxpaged serve` serves it over HTTP."""
 
+import signal
+import socket
 import subprocess
 import sys
+import time
 
-from jaxpaged import SamplingParams
+import httpx
+import openai
+import pytest
+
+from jaxpaged import LLM, SamplingParams
 
 
 def run_cli(*args):
@@ -32,3 +40,44 @@ def test_bad_argument_exits_with_a_clear_error(tiny_model_dir):
     res = run_cli("generate", "Hello", "--model", str(tiny_model_dir), "--temperature", "-1")
     assert res.returncode == 2
     assert "temperature" in res.stderr and "-1" in res.stderr
+
+
+@pytest.mark.slow
+def test_serve_the_default_model_to_the_openai_client(default_model_dir):
+    """`jaxpaged serve` on the real model: chat and completions equal `LLM.chat` / `generate`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "jaxpaged.cli", "serve", "--port", str(port),
+                               "--max-model-len", "512", "--num-kv-blocks", "128"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        llm = LLM(default_model_dir, max_model_len=512, num_kv_blocks=128)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        params = SamplingParams(temperature=0, max_tokens=32)
+        chat_want = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        completion_want = llm.generate("The capital of France is", params,
+                                       use_tqdm=False)[0].outputs[0].text
+        deadline = time.monotonic() + 300
+        while not _healthy(port):
+            assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=300)
+        [model] = client.models.list().data
+        reply = client.chat.completions.create(model=model.id, messages=messages, temperature=0,
+                                               max_tokens=32)
+        assert reply.choices[0].message.content == chat_want
+        assert "Paris" in chat_want
+        completion = client.completions.create(model=model.id, prompt="The capital of France is",
+                                               temperature=0, max_tokens=32)
+        assert completion.choices[0].text == completion_want
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=60)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
