@@ -1,0 +1,256 @@
+"""Online serving benchmark, in the manner of vLLM's benchmark_serving: ShareGPT requests sent to
+an OpenAI-compatible server with Poisson arrivals, streamed, timed per token.
+
+    python bench/serving.py --num-prompts 50 --request-rate 1 --max-concurrency 16
+    python bench/serving.py --backends jaxpaged,hf-serve     # and transformers' own server
+    python bench/serving.py --base-url http://127.0.0.1:8000 # a server that is already up
+
+Each backend is started as a subprocess on a free port (`jaxpaged serve`; `transformers serve
+--continuous-batching` for `hf-serve`, which needs `pip install fastapi`), warmed up with a few
+requests, sent the same request set (written to bench/results/serving-requests.jsonl), and
+stopped. Requests go to `/v1/completions` with `stream: true`, greedy, `max_tokens` = the
+ShareGPT reply's length (capped by --max-output) and `ignore_eos` (not sent to `hf-serve`, which
+rejects the field: it may stop earlier at EOS; output tokens are counted as generated, from the
+usage chunk or by tokenizing the streamed text).
+
+Reports per backend, as JSON in bench/results/serving.json with a table printed last: TTFT (time
+to first token), TPOT (time per output token after the first, per request), ITL (inter-token
+latency: time between streamed chunks) and E2EL (end-to-end latency), each as mean, median and
+p99 in milliseconds; request and token throughput; and the ratio of jaxpaged to each peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sharegpt import sample_requests  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# -- one request ------------------------------------------------------------------------------
+
+async def send(client: httpx.AsyncClient, url: str, model: str, request: dict, tokenizer,
+               extra: dict) -> dict:
+    """Streams one completion; returns its timings (seconds) and token counts."""
+    body = {"model": model, "prompt": request["prompt"], "max_tokens": request["output_len"],
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
+    start = time.perf_counter()
+    chunk_times, text, usage = [], "", None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return {"ok": False, "error": (await response.aread()).decode()[:200]}
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                usage = data.get("usage") or usage
+                delta = "".join(c.get("text") or "" for c in data.get("choices", []))
+                if delta:
+                    chunk_times.append(time.perf_counter())
+                    text += delta
+    except httpx.HTTPError as e:
+        return {"ok": False, "error": repr(e)}
+    end = time.perf_counter()
+    if not chunk_times:
+        return {"ok": False, "error": "no text streamed"}
+    output_tokens = (usage["completion_tokens"] if usage
+                     else len(tokenizer(text, add_special_tokens=False).input_ids))
+    ttft = chunk_times[0] - start
+    return {"ok": True, "ttft": ttft, "e2el": end - start, "output_tokens": output_tokens,
+            "prompt_tokens": request["prompt_len"], "itl": np.diff(chunk_times).tolist(),
+            "tpot": (end - start - ttft) / (output_tokens - 1) if output_tokens > 1 else None}
+
+
+async def replay(url: str, model: str, requests: list[dict], rate: float, max_concurrency: int,
+                 seed: int, tokenizer, extra: dict) -> tuple[list[dict], float]:
+    """Sends the requests with exponential inter-arrival gaps (a Poisson process of `rate`
+    requests/s; `inf` sends all at once), at most `max_concurrency` in flight."""
+    gaps = (np.zeros(len(requests)) if rate == float("inf")
+            else np.random.default_rng(seed).exponential(1 / rate, len(requests)))
+    limit = asyncio.Semaphore(max_concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=httpx.Limits(
+            max_connections=max_concurrency, max_keepalive_connections=max_concurrency)) as client:
+        async def limited(request):
+            async with limit:
+                return await send(client, url, model, request, tokenizer, extra)
+
+        start = time.perf_counter()
+        tasks = []
+        for request, gap in zip(requests, gaps):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(request)))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def summarize(results: list[dict], duration: float) -> dict:
+    ok = [r for r in results if r["ok"]]
+    out = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration}
+    if not ok:
+        return out
+    output_tokens = sum(r["output_tokens"] for r in ok)
+    prompt_tokens = sum(r["prompt_tokens"] for r in ok)
+    out.update(request_throughput=len(ok) / duration, output_throughput=output_tokens / duration,
+               total_token_throughput=(prompt_tokens + output_tokens) / duration,
+               total_output_tokens=output_tokens, total_prompt_tokens=prompt_tokens)
+    series = {"ttft": [r["ttft"] for r in ok], "e2el": [r["e2el"] for r in ok],
+              "tpot": [r["tpot"] for r in ok if r["tpot"] is not None],
+              "itl": [x for r in ok for x in r["itl"]]}
+    for name, values in series.items():
+        values = np.asarray(values or [np.nan]) * 1000
+        out[f"mean_{name}_ms"] = float(np.mean(values))
+        out[f"median_{name}_ms"] = float(np.median(values))
+        out[f"p99_{name}_ms"] = float(np.percentile(values, 99))
+    return out
+
+
+# -- servers ----------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(backend: str, model_dir: Path, port: int, args) -> list[str]:
+    if backend == "jaxpaged":
+        return [sys.executable, "-m", "jaxpaged.cli", "serve", "--model", str(model_dir),
+                "--port", str(port), "--max-model-len", str(args.max_model_len),
+                "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
+    if backend == "hf-serve":
+        exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
+        return [exe, "serve", str(model_dir), "--continuous-batching", "--device", "cpu",
+                "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1"]
+    raise SystemExit(f"unknown backend {backend!r}: use jaxpaged or hf-serve")
+
+
+def wait_until_up(url: str, process: subprocess.Popen | None, timeout: float = 600) -> str:
+    """The served model's name, once `GET /v1/models` answers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process is not None and process.poll() is not None:
+            raise SystemExit(f"the server exited with {process.returncode}")
+        try:
+            return httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no server at {url} after {timeout} s") from None
+            time.sleep(1)
+
+
+def bench_backend(backend: str, url: str | None, requests, warmup, args, tokenizer) -> dict:
+    process = None
+    if url is None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        process = subprocess.Popen(server_command(backend, args.model_dir, port, args),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # transformers serve rejects fields it does not know, such as vLLM's ignore_eos.
+    extra = {} if backend == "hf-serve" else {"ignore_eos": True}
+    try:
+        model = wait_until_up(url, process)
+        print(f"[{backend}] up at {url}; warming up with {len(warmup)} requests", flush=True)
+        asyncio.run(replay(url, model, warmup, float("inf"), args.max_concurrency, args.seed,
+                           tokenizer, extra))
+        print(f"[{backend}] {len(requests)} requests at {args.request_rate} req/s", flush=True)
+        results, duration = asyncio.run(replay(url, model, requests, args.request_rate,
+                                               args.max_concurrency, args.seed, tokenizer,
+                                               extra))
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=60)
+    summary = summarize(results, duration)
+    errors = [r["error"] for r in results if not r["ok"]]
+    if errors:
+        summary["first_error"] = errors[0]
+    return summary
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backends", default="jaxpaged", help="comma-separated: jaxpaged, hf-serve")
+    p.add_argument("--base-url", default=None,
+                   help="bench this running server instead of starting the backends")
+    p.add_argument("--model", default=None, help="local HF folder; default: embedded SmolLM2")
+    p.add_argument("--num-prompts", type=int, default=50)
+    p.add_argument("--num-warmup", type=int, default=4)
+    p.add_argument("--request-rate", type=float, default=1.0, help="requests/s; inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=128, help="cap on each output length")
+    p.add_argument("--max-prompt", type=int, default=1024, help="cap on each prompt length")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS / "serving.json")
+    args = p.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from jaxpaged.model_store import resolve_model
+
+    args.model_dir = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    sampled = [(prompt, n, min(out, args.max_output)) for prompt, n, out in
+               sample_requests(tokenizer, args.num_prompts + args.num_warmup, args.seed)
+               if n <= args.max_prompt]
+    all_requests = [{"prompt": prompt, "prompt_len": n, "output_len": out}
+                    for prompt, n, out in sampled]
+    warmup, requests = all_requests[:args.num_warmup], all_requests[args.num_warmup:]
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / "serving-requests.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in requests)
+
+    backends = ["server"] if args.base_url else args.backends.split(",")
+    report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "machine": {"cpus": os.cpu_count()}, "backends": {}}
+    for backend in backends:
+        report["backends"][backend] = bench_backend(backend, args.base_url, requests, warmup,
+                                                    args, tokenizer)
+    jp = report["backends"].get("jaxpaged")
+    report["ratios"] = {
+        f"jaxpaged/{peer}": {"output_throughput": jp["output_throughput"] / r["output_throughput"],
+                             "median_ttft": jp["median_ttft_ms"] / r["median_ttft_ms"],
+                             "median_tpot": jp["median_tpot_ms"] / r["median_tpot_ms"]}
+        for peer, r in report["backends"].items()
+        if jp and peer != "jaxpaged" and r.get("completed") and jp.get("completed")}
+    args.out.write_text(json.dumps(report, indent=2))
+    print_table(report)
+    print(f"wrote {args.out}")
+
+
+def print_table(report: dict) -> None:
+    rows = [("completed", "completed", "{:.0f}"), ("req/s", "request_throughput", "{:.3f}"),
+            ("out tok/s", "output_throughput", "{:.1f}"),
+            ("total tok/s", "total_token_throughput", "{:.1f}")]
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        rows += [(f"{stat} {name.upper()} ms", f"{stat}_{name}_ms", "{:.1f}")
+                 for stat in ("mean", "median", "p99")]
+    names = list(report["backends"])
+    print(f"{'':18}" + "".join(f"{n:>14}" for n in names))
+    for label, key, fmt in rows:
+        cells = [report["backends"][n].get(key) for n in names]
+        print(f"{label:18}" + "".join(f"{fmt.format(c) if c is not None else '-':>14}"
+                                      for c in cells))
+    for pair, ratio in report["ratios"].items():
+        print(f"{pair}: output tok/s x{ratio['output_throughput']:.2f}, median TTFT "
+              f"x{ratio['median_ttft']:.2f}, median TPOT x{ratio['median_tpot']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
