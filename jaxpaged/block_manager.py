@@ -5,11 +5,19 @@ physical block ids, one per `block_size` tokens; blocks are taken from the free 
 arrive and go back when it finishes or is preempted. A reference count per block lets several
 sequences hold the same block (memory sharing, section 4.4); a block returns to the free list when
 its last reference goes.
+
+Automatic prefix caching (vLLM's design): a full block whose K/V are computed is registered under
+a hash of its parent block's hash and its own token ids, so the hash names the whole prefix up to
+and including the block. A new sequence looks up the hashes of its leading full blocks and shares
+the longest run that is cached (one more reference each), so only the rest of its prompt is
+computed. A cached block whose last reference goes stays cached, in an LRU list of evictable
+blocks; it is evicted (its hash dropped, its memory reused) only when the free list is empty,
+least recently freed first.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from jaxpaged.sequence import Sequence
 
@@ -23,18 +31,26 @@ class BlockManager:
     first.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # hold nothing cached
         self.ref_counts = [0] * num_blocks
         self.num_cow_copies = 0  # blocks copied on write since start
+        # Prefix cache: hash -> block, the reverse, and unreferenced cached blocks in LRU order.
+        self.cached_block_ids: dict[int, int] = {}
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.evictable_block_ids: OrderedDict[int, None] = OrderedDict()
+        self.num_cache_queries = 0  # prompt blocks looked up, and found, since start
+        self.num_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks that can be handed out: free, or cached with no reference (evictable)."""
+        return len(self.free_block_ids) + len(self.evictable_block_ids)
 
     @property
     def num_shared_blocks(self) -> int:
@@ -46,17 +62,89 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, seq: Sequence) -> bool:
-        """Whether the free list holds blocks for all of `seq`'s current tokens."""
-        return self.num_blocks_needed(seq.num_tokens) <= self.num_free_blocks
+        """Whether blocks fit for all of `seq`'s current tokens, its cached prefix shared."""
+        hits = self._cached_prefix(seq)
+        num_revived = sum(1 for b in hits if self.ref_counts[b] == 0)  # evictable now
+        return (self.num_blocks_needed(seq.num_tokens) - len(hits) + num_revived
+                <= self.num_free_blocks)
 
     def allocate(self, seq: Sequence) -> None:
-        """Gives `seq` (holding no blocks) blocks for all its current tokens."""
+        """Gives `seq` (holding no blocks) blocks for all its current tokens.
+
+        With prefix caching, the blocks of its longest cached prefix are shared and
+        `seq.num_computed_tokens` starts past them (at least one token is left to compute, so
+        the step yields the logits of the last one).
+        """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
         if not self.can_allocate(seq):
             raise RuntimeError(f"allocate needs {self.num_blocks_needed(seq.num_tokens)} blocks, "
                                f"{self.num_free_blocks} free")
-        seq.block_table = [self._take() for _ in range(self.num_blocks_needed(seq.num_tokens))]
+        hits = self._cached_prefix(seq)
+        if self.enable_prefix_caching and seq.num_output_tokens == 0:
+            self.num_cache_queries += (seq.num_tokens - 1) // self.block_size
+            self.num_cache_hits += len(hits)
+        for block_id in hits:
+            if self.ref_counts[block_id] == 0:
+                del self.evictable_block_ids[block_id]
+            self.ref_counts[block_id] += 1
+        seq.block_table = hits + [self._take() for _ in
+                                  range(self.num_blocks_needed(seq.num_tokens) - len(hits))]
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_registered_blocks = len(hits)
+        if seq.num_cached_tokens is None:  # the first allocation, not a recompute
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; False (and nothing done) while any block is in use."""
+        if any(self.ref_counts):
+            return False
+        self.free_block_ids.extend(self.evictable_block_ids)
+        self.evictable_block_ids.clear()
+        self.cached_block_ids.clear()
+        self.block_hashes = [None] * self.num_blocks
+        return True
+
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of `seq` that `allocate` would find in the prefix cache now."""
+        return len(self._cached_prefix(seq)) * self.block_size
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks of `seq`'s longest cached run of leading full blocks, leaving at
+        least its last token uncached. None for requests that want prompt logprobs (those need
+        every prompt position computed)."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        hits = []
+        for h in self._full_block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            block_id = self.cached_block_ids.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Chained hashes of `seq`'s first `num_blocks` full blocks, memoized on the sequence:
+        block i's hash covers the parent's hash and the block's token ids."""
+        S = self.block_size
+        while len(seq.block_hashes) < num_blocks:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if i else None
+            seq.block_hashes.append(hash((parent, tuple(seq.token_ids[i * S:(i + 1) * S]))))
+        return seq.block_hashes[:num_blocks]
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Registers `seq`'s blocks that became full and computed since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        hashes = self._full_block_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            block_id = seq.block_table[i]
+            if hashes[i] not in self.cached_block_ids and self.block_hashes[block_id] is None:
+                self.cached_block_ids[hashes[i]] = block_id
+                self.block_hashes[block_id] = hashes[i]
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         """Whether slots fit for `num_new_tokens` tokens computed past `seq.num_computed_tokens`,
@@ -90,6 +178,8 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Makes `child` share every block of `parent` (one more reference each)."""
         child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
         for block_id in child.block_table:
             self.ref_counts[block_id] += 1
 
@@ -105,17 +195,28 @@ class BlockManager:
         return [i for i in range(first, last) if self.ref_counts[seq.block_table[i]] > 1]
 
     def free(self, seq: Sequence) -> None:
-        """Drops `seq`'s reference to each of its blocks; unreferenced blocks become free."""
+        """Drops `seq`'s reference to each of its blocks; unreferenced blocks become free, or
+        evictable if cached (last block first, so a prefix outlives its tails)."""
         for block_id in reversed(seq.block_table):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
-                self.free_block_ids.append(block_id)
+                if self.block_hashes[block_id] is None:
+                    self.free_block_ids.append(block_id)
+                else:
+                    self.evictable_block_ids[block_id] = None
         seq.block_table = []
+        seq.num_registered_blocks = 0
 
     def _take(self) -> int:
-        if not self.free_block_ids:
+        """A free block, or else the least recently freed cached one, evicted."""
+        if self.free_block_ids:
+            block_id = self.free_block_ids.popleft()
+        elif self.evictable_block_ids:
+            block_id, _ = self.evictable_block_ids.popitem(last=False)
+            del self.cached_block_ids[self.block_hashes[block_id]]
+            self.block_hashes[block_id] = None
+        else:
             raise RuntimeError("no free KV blocks")
-        block_id = self.free_block_ids.popleft()
         assert self.ref_counts[block_id] == 0, block_id
         self.ref_counts[block_id] = 1
         return block_id

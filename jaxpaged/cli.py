@@ -19,6 +19,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="blocks in the KV pool")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=2 << 30,
                    help="KV pool budget in bytes, when --num-kv-blocks is not given")
+    g.add_argument("--enable-prefix-caching", default=True,
+                   action=argparse.BooleanOptionalAction,
+                   help="reuse the KV blocks of common prompt prefixes")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "pallas", "pallas-interpret", "xla"])
     g.add_argument("--seed", type=int, default=0,
@@ -82,6 +85,7 @@ def _build_llm(args: argparse.Namespace):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+               enable_prefix_caching=args.enable_prefix_caching,
                attention_backend=args.attention_backend, seed=args.seed)
 
 

@@ -12,6 +12,7 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # blocks in the pool; overrides kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 2 << 30  # pool budget in bytes when num_kv_blocks is None
+    enable_prefix_caching: bool = True  # share cached K/V of common prompt prefixes
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -22,6 +23,9 @@ class CacheConfig:
         if not isinstance(self.kv_cache_memory_bytes, int) or self.kv_cache_memory_bytes < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes must be an int >= 1, got {self.kv_cache_memory_bytes!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, "
+                             f"got {self.enable_prefix_caching!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,8 @@ class LLM:
       block_size: tokens per KV block.
       num_kv_blocks: blocks in the KV pool; default: as many as `kv_cache_memory_bytes` holds.
       kv_cache_memory_bytes: KV pool budget in bytes (default 2 GiB).
+      enable_prefix_caching: reuse the K/V of full blocks of earlier prompts with the same
+        prefix (automatic prefix caching); `RequestOutput.num_cached_tokens` reports the hits.
       attention_backend: "auto" (Pallas kernels on GPU, XLA on CPU), "pallas",
         "pallas-interpret" (the kernels under the Pallas interpreter, for tests) or "xla".
       seed: seeds the per-request seeds of requests that set none.
@@ -43,10 +45,12 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
-                 attention_backend: str = "auto", seed: int = 0):
+                 enable_prefix_caching: bool = True, attention_backend: str = "auto",
+                 seed: int = 0):
         model_dir = resolve_model(model)
         cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                   kv_cache_memory_bytes=kv_cache_memory_bytes)
+                                   kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                   enable_prefix_caching=enable_prefix_caching)
         self.llm_engine = LLMEngine(model_dir, dtype=dtype, max_model_len=max_model_len,
                                     max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=max_num_batched_tokens,
@@ -160,6 +164,10 @@ class LLM:
         if engine.has_unfinished_requests():
             raise RuntimeError("beam_search needs an idle engine")
         return [beam_search(engine, ids, params) for _, ids in tokenized]
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (for timing cold starts); False while requests run."""
+        return self.llm_engine.block_manager.reset_prefix_cache()
 
     def stats(self) -> dict[str, int]:
         """num_total_blocks, num_free_blocks, num_running, num_waiting, num_preemptions."""

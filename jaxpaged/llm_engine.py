@@ -54,7 +54,8 @@ class _Request:
                 index if finished else s.index, text, s.output_token_ids, s.cumulative_logprob,
                 s.logprobs, s.finish_reason, s.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             finished, self.prompt_logprobs, self.metrics)
+                             finished, self.prompt_logprobs, self.metrics,
+                             self.seqs[0].num_cached_tokens or 0)
 
 
 def _held_back(text: str, seq: Sequence) -> int:
@@ -106,7 +107,8 @@ class LLMEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_token_ids = self._eos_token_ids(model_dir)
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size)
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size,
+                                          cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         model = load_llama(model_dir, self.model_config, self.dtype, self.attention_backend)
         self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
@@ -231,6 +233,7 @@ class LLMEngine:
         for row, (seq, q, row_samples) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
                                                         sampled)):
             seq.num_computed_tokens += q
+            self.block_manager.cache_full_blocks(seq)
             self.num_prompt_tokens += q if out.is_prefill else 0
             self.num_generation_tokens += len(row_samples)
             request = self.requests[seq.request_id]
@@ -318,7 +321,8 @@ class LLMEngine:
         num_shared_blocks, num_cow_copies, num_running, num_waiting (sequences),
         num_running_requests, num_waiting_requests (requests with a running sequence / with
         all sequences waiting), and the running totals num_preemptions, num_prompt_tokens,
-        num_generation_tokens."""
+        num_generation_tokens, num_prefix_cache_queries / num_prefix_cache_hits (full prompt
+        blocks looked up in / found in the prefix cache)."""
         bm, scheduler = self.block_manager, self.scheduler
         running_requests = {s.request_id for s in scheduler.running}
         waiting_requests = {s.request_id for s in scheduler.waiting} - running_requests
@@ -333,6 +337,8 @@ class LLMEngine:
             "num_running_requests": len(running_requests),
             "num_waiting_requests": len(waiting_requests),
             "num_preemptions": scheduler.num_preemptions,
+            "num_prefix_cache_queries": bm.num_cache_queries,
+            "num_prefix_cache_hits": bm.num_cache_hits,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
         }

@@ -52,11 +52,11 @@ class Scheduler:
         while (self.waiting and len(self.running) + 1 + self.waiting[0].num_forks
                <= self.config.max_num_seqs):  # a parent brings its forks along
             seq = self.waiting[0]
-            n = seq.num_tokens - seq.num_computed_tokens
+            n = seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq)
             if (sum(num_tokens) + n > self.config.max_num_batched_tokens
                     or not self.block_manager.can_allocate(seq)):
                 break
-            self.block_manager.allocate(seq)
+            self.block_manager.allocate(seq)  # sets num_computed_tokens past a cached prefix
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
             seqs.append(seq)

@@ -41,6 +41,11 @@ class Sequence:
         self.params = params
         self.seed = seed  # the sampler's key for output token t is fold_in(key(seed), t)
         self.num_forks = 0  # children still to fork from this sequence after its prefill
+        # Prefix caching: chained hashes of full blocks, how many of its blocks are registered
+        # in the cache, and the prompt tokens found cached at its first allocation.
+        self.block_hashes: list[int] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens: int | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.status = SequenceStatus.WAITING
@@ -69,6 +74,7 @@ class Sequence:
                          self.params, seed)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
         return child
 
