@@ -33,8 +33,9 @@ class SchedulerConfig:
     """Continuous batching limits."""
 
     max_model_len: int  # tokens per sequence, prompt and output together
-    max_num_seqs: int = 256 # sequences in one step
-    max_num_batched_tokens: int | None = None  # tokens in one step; default max(max_model_len, 2048)
+    max_num_seqs: int = 256  # sequences in one step
+    # Tokens computed in one step (decodes plus prompt chunks); default max(max_model_len, 2048).
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs"):
@@ -43,8 +44,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", max(self.max_model_len, 2048))
-        # Without chunked prefill a whole prompt must fit in one step.
-        if (not isinstance(self.max_num_batched_tokens, int)
-                or self.max_num_batched_tokens < self.max_model_len):
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an "
-                             f"int >= max_model_len={self.max_model_len}")
+        # Longer prompts are computed in chunks over several steps (chunked prefill).
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be an int >= 1, "
+                             f"got {self.max_num_batched_tokens!r}")

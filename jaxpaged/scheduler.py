@@ -1,11 +1,16 @@
-"""Continuous batching: which sequences run in the next step.
+"""Continuous batching with chunked prefill: which sequences run in the next step, and how many
+of their tokens.
 
-Each step is a prefill step or a decode step. Waiting sequences are admitted (prefill) in arrival
-order while `max_num_seqs`, the token budget `max_num_batched_tokens` and the free blocks allow;
-when none can be admitted, every running sequence decodes one token. A sequence that finishes
-leaves at once, so a waiting one takes its place in the next step. When a decode needs a block and
-none is free, the most recently admitted running sequence is preempted by recompute: its blocks
-are freed and it goes back to the front of the waiting queue, keeping its generated tokens.
+Every step has a token budget, `max_num_batched_tokens`. Running sequences come first, in
+admission order: one token for each that decodes, and the next chunk (as much as the budget
+leaves) for each whose prompt is still being computed. Waiting sequences are then admitted in
+arrival order while `max_num_seqs`, the budget and the free blocks allow; the prompt of the last
+one admitted may be cut to the budget and finished in later steps (chunked prefill). So a long
+prompt never stalls the running sequences: prefill chunks and decodes share each step.
+
+When a running sequence needs a block and none is free, the most recently admitted running
+sequence is preempted by recompute: its blocks are freed and it goes back to the front of the
+waiting queue, keeping its generated tokens. Nothing new is admitted in a step that preempts.
 """
 
 from __future__ import annotations
@@ -23,10 +28,15 @@ class SchedulerOutput:
     """What one step computes; the model runner turns it into device arrays."""
 
     seqs: list[Sequence]  # in batch-row order
-    num_scheduled_tokens: list[int]  # new tokens per row: the uncomputed ones, or 1 for a decode
-    is_prefill: bool
+    num_scheduled_tokens: list[int]  # new tokens per row: a decode's 1, or a prompt chunk
     preempted: list[Sequence]  # sent back to waiting while building this step
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
+
+    def completes(self, row: int) -> bool:
+        """Whether row `row` computes up to its last token, so the step samples for it (a
+        prompt chunk that leaves tokens for later steps does not)."""
+        seq = self.seqs[row]
+        return seq.num_computed_tokens + self.num_scheduled_tokens[row] == seq.num_tokens
 
 
 class Scheduler:
@@ -45,44 +55,50 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput | None:
         """The next step's batch, or None when nothing is waiting or running."""
-        return self._schedule_prefill() or self._schedule_decode()
+        out = SchedulerOutput([], [], [])
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out if out.seqs or out.preempted else None
 
-    def _schedule_prefill(self) -> SchedulerOutput | None:
-        seqs, num_tokens = [], []
-        while (self.waiting and len(self.running) + 1 + self.waiting[0].num_forks
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Adds each running sequence's next token (or prompt chunk); returns the budget left."""
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            q = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, q):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.blocks_to_copy += self.block_manager.append_slots(seq, q)
+                out.seqs.append(seq)
+                out.num_scheduled_tokens.append(q)
+                budget -= q
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admits waiting sequences in order while sequences, tokens and blocks allow."""
+        while (self.waiting and budget > 0 and len(self.running) + 1 + self.waiting[0].num_forks
                <= self.config.max_num_seqs):  # a parent brings its forks along
             seq = self.waiting[0]
-            n = seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq)
-            if (sum(num_tokens) + n > self.config.max_num_batched_tokens
+            remaining = seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq)
+            # Prompt log-probabilities are computed in one piece, never chunked.
+            if ((seq.params.prompt_logprobs is not None and remaining > budget)
                     or not self.block_manager.can_allocate(seq)):
                 break
             self.block_manager.allocate(seq)  # sets num_computed_tokens past a cached prefix
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
-            seqs.append(seq)
-            num_tokens.append(n)
-        if not seqs:
-            return None
-        return SchedulerOutput(seqs, num_tokens, is_prefill=True, preempted=[])
-
-    def _schedule_decode(self) -> SchedulerOutput | None:
-        seqs, preempted, copies = [], [], []
-        for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            while not self.block_manager.can_append(seq):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                copies += self.block_manager.append_slots(seq)
-                seqs.append(seq)
-        if not seqs and not preempted:
-            return None
-        return SchedulerOutput(seqs, [1] * len(seqs), is_prefill=False, preempted=preempted,
-                               blocks_to_copy=copies)
+            q = min(remaining, budget)
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(q)
+            budget -= q
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

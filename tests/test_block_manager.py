@@ -80,17 +80,39 @@ def test_prefill_respects_max_num_seqs_and_token_budget():
     for s in seqs:
         sched.add(s)
     out = sched.schedule()
-    assert out.is_prefill and out.seqs == seqs[:2] and out.num_scheduled_tokens == [10, 10]
+    assert out.seqs == seqs[:2] and out.num_scheduled_tokens == [10, 10]
     assert list(sched.waiting) == seqs[2:]
     run_decode_tokens(out)
     out = sched.schedule()  # max_num_seqs reached: decode
-    assert not out.is_prefill and out.seqs == seqs[:2] and out.num_scheduled_tokens == [1, 1]
+    assert out.seqs == seqs[:2] and out.num_scheduled_tokens == [1, 1]
 
-    sched2, _ = make_scheduler(max_num_seqs=8, max_model_len=16, max_num_batched_tokens=16)
+
+def test_chunked_prefill_cuts_prompts_to_the_budget_and_decodes_go_first():
+    sched, _ = make_scheduler(max_num_seqs=8, max_model_len=32, max_num_batched_tokens=16)
     a, b = seq(10), seq(10)
-    sched2.add(a)
-    sched2.add(b)
-    assert sched2.schedule().seqs == [a]  # b would exceed 16 batched tokens
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()  # a whole, then b's first 6 tokens
+    assert out.seqs == [a, b] and out.num_scheduled_tokens == [10, 6]
+    assert out.completes(0) and not out.completes(1)
+    a.num_computed_tokens += 10
+    a.token_ids.append(1)
+    b.num_computed_tokens += 6
+    c = seq(20)
+    sched.add(c)
+    out = sched.schedule()  # a's decode, b's last 4, then 11 of c's 20
+    assert out.seqs == [a, b, c] and out.num_scheduled_tokens == [1, 4, 11]
+    assert out.completes(0) and out.completes(1) and not out.completes(2)
+
+
+def test_prompt_logprobs_requests_are_never_chunked():
+    sched, _ = make_scheduler(max_num_seqs=8, max_model_len=32, max_num_batched_tokens=16)
+    a = seq(10)
+    b = Sequence("r", 0, list(range(10)), SamplingParams(prompt_logprobs=1), 0)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()  # b would need a chunk: it waits for a step with room
+    assert out.seqs == [a] and list(sched.waiting) == [b]
 
 
 def test_finished_sequence_is_replaced_next_step():
@@ -104,7 +126,7 @@ def test_finished_sequence_is_replaced_next_step():
     sched.finish(a, "length")
     assert a.status is SequenceStatus.FINISHED and bm.num_free_blocks == 16
     out = sched.schedule()
-    assert out.is_prefill and out.seqs == [b]
+    assert out.seqs == [b] and out.num_scheduled_tokens == [3]
 
 
 def test_decode_preempts_most_recent_sequence_when_blocks_run_out():

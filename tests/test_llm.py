@@ -43,14 +43,16 @@ def test_continuous_batching_admits_waiting_request_the_step_after_one_finishes(
     for rid, n in lengths.items():
         assert len(outputs[rid].outputs[0].token_ids) == n
         assert outputs[rid].outputs[0].finish_reason == "length"
-    prefill_step = {seq.request_id: i for i, s in enumerate(steps) if s.is_prefill
-                    for seq in s.seqs}
-    assert prefill_step["a"] == prefill_step["b"] == 0
-    # a (3 tokens) finishes first; c is prefilled in the very next step, then d after c ends.
+    def prefilled_in(step):  # request ids whose prompt this step computes
+        return [s.request_id for s, q in zip(step.seqs, step.num_scheduled_tokens) if q > 1]
+
+    assert prefilled_in(steps[0]) == ["a", "b"]
+    # a (3 tokens) finishes first; c is prefilled in the very next step, beside b's decode;
+    # d likewise after c ends.
     assert finished_at["a"] < finished_at["c"]
-    assert [s.request_id for s in steps[finished_at["a"] + 1].seqs] == ["c"]
-    assert steps[finished_at["a"] + 1].is_prefill
-    assert [s.request_id for s in steps[finished_at["c"] + 1].seqs] == ["d"]
+    assert prefilled_in(steps[finished_at["a"] + 1]) == ["c"]
+    assert [s.request_id for s in steps[finished_at["a"] + 1].seqs] == ["b", "c"]
+    assert prefilled_in(steps[finished_at["c"] + 1]) == ["d"]
     assert all(len(s.seqs) <= 2 for s in steps)
 
 

@@ -1,0 +1,49 @@
+"""Chunked prefill through the engine: prompts longer than the step's token budget are computed
+over several steps, beside running decodes, and give the same tokens as unchunked prompts."""
+
+import pytest
+
+from jaxpaged import SamplingParams
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog " * 7, "a short one",
+           "numbers: " + " ".join(str(i) for i in range(40))]
+
+
+def test_chunked_prefill_gives_the_same_ids_as_unchunked(make_llm, tiny_model_dir):
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)]
+    whole = make_llm(tiny_model_dir, enable_prefix_caching=False).generate(
+        PROMPTS, params, use_tqdm=False)
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=16, enable_prefix_caching=False)
+    steps = []
+    schedule = llm.llm_engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        if out is not None:
+            steps.append([(s.num_computed_tokens, q, s.num_tokens)
+                          for s, q in zip(out.seqs, out.num_scheduled_tokens)])
+        return out
+
+    llm.llm_engine.scheduler.schedule = recording
+    chunked = llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(whole, chunked):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert [c.text for c in a.outputs] == [c.text for c in b.outputs]
+    for c_whole, c_chunked in zip(whole[2].outputs[0].logprobs, chunked[2].outputs[0].logprobs):
+        for token_id, lp in c_whole.items():
+            assert c_chunked[token_id].logprob == pytest.approx(lp.logprob, abs=1e-4)
+    assert all(sum(q for _, q, _ in step) <= 16 for step in steps)
+    # Some step decoded one sequence while computing a chunk of another's prompt.
+    assert any(any(q == 1 for _, q, _ in step) and any(done + q < n for done, q, n in step)
+               for step in steps)
+
+
+def test_prompt_logprobs_longer_than_the_budget_is_a_value_error(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=16"):
+        llm.generate(PROMPTS[0], SamplingParams(prompt_logprobs=1), use_tqdm=False)
+    out = llm.generate("a short prompt here", SamplingParams(prompt_logprobs=1, max_tokens=2),
+                       use_tqdm=False)
+    assert out[0].prompt_logprobs[0] is None and len(out[0].prompt_logprobs) > 1
