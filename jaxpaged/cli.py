@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 
 
@@ -22,6 +24,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", default=True,
                    action=argparse.BooleanOptionalAction,
                    help="reuse the KV blocks of common prompt prefixes")
+    g.add_argument("--precompile", action="store_true",
+                   help="compile every padded step shape at startup (slow on CPU)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "pallas", "pallas-interpret", "xla"])
     g.add_argument("--seed", type=int, default=0,
@@ -65,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if "JAX_PLATFORMS" not in os.environ and shutil.which("nvidia-smi") is None:
+        # No GPU: keep jax from probing an installed CUDA plugin (it prints a traceback).
+        os.environ["JAX_PLATFORMS"] = "cpu"
     try:
         if args.command == "prepare":
             from jaxpaged.model_store import ensure_default_model
@@ -86,7 +93,8 @@ def _build_llm(args: argparse.Namespace):
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                enable_prefix_caching=args.enable_prefix_caching,
-               attention_backend=args.attention_backend, seed=args.seed)
+               attention_backend=args.attention_backend, seed=args.seed,
+               precompile=args.precompile)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -36,6 +36,9 @@ class LLM:
       attention_backend: "auto" (Pallas kernels on GPU, XLA on CPU), "pallas",
         "pallas-interpret" (the kernels under the Pallas interpreter, for tests) or "xla".
       seed: seeds the per-request seeds of requests that set none.
+      precompile: compile the model step for every padded shape the limits above allow, at
+        startup (with a progress bar), so that serving compiles nothing new. Each shape costs
+        seconds on CPU: keep max_num_seqs, max_num_batched_tokens and max_model_len small there.
 
     Raises:
       ValueError: an unknown model or an out-of-range setting, naming it.
@@ -46,7 +49,7 @@ class LLM:
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 seed: int = 0):
+                 seed: int = 0, precompile: bool = False):
         model_dir = resolve_model(model)
         cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -55,7 +58,8 @@ class LLM:
                                     max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=max_num_batched_tokens,
                                     cache_config=cache_config,
-                                    attention_backend=attention_backend, seed=seed)
+                                    attention_backend=attention_backend, seed=seed,
+                                    precompile=precompile)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

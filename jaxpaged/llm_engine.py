@@ -90,7 +90,7 @@ class LLMEngine:
     def __init__(self, model_dir: Path, *, dtype: str = "auto", max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  cache_config: CacheConfig = CacheConfig(), attention_backend: str = "auto",
-                 seed: int = 0):
+                 seed: int = 0, precompile: bool = False):
         self.attention_backend = resolve_attention_backend(attention_backend)
         self.model_config = LlamaConfig.from_pretrained(model_dir)
         self.dtype = resolve_dtype(dtype)
@@ -113,10 +113,14 @@ class LLMEngine:
         model = load_llama(model_dir, self.model_config, self.dtype, self.attention_backend)
         self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
                                   self.eos_token_ids)
+        if precompile:
+            sc = self.scheduler_config
+            self.runner.precompile(self.runner.bucket_shapes(
+                sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len))
         self.requests: dict[str, _Request] = {}
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
         self._request_ids = itertools.count()
-        self.num_prompt_tokens = 0  # tokens computed by prefills (recomputes included)
+        self.num_prompt_tokens = 0  # prompt tokens computed (recomputes included)
         self.num_generation_tokens = 0  # tokens sampled
 
     def _eos_token_ids(self, model_dir: Path) -> set[int]:
@@ -190,6 +194,10 @@ class LLMEngine:
                              f"allowed_token_ids are not below vocab_size="
                              f"{self.model_config.vocab_size}")
         text, ids = self.tokenize_prompt(prompt)
+        budget = self.scheduler_config.max_num_batched_tokens
+        if params.prompt_logprobs is not None and len(ids) > budget:
+            raise ValueError(f"prompt_logprobs needs the whole prompt in one step: the prompt "
+                             f"has {len(ids)} tokens, max_num_batched_tokens={budget}")
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -232,13 +240,16 @@ class LLMEngine:
         touched = {}
         for row, (seq, q, row_samples) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
                                                         sampled)):
+            self.num_prompt_tokens += max(0, min(seq.num_computed_tokens + q,
+                                                 seq.num_prompt_tokens) - seq.num_computed_tokens)
             seq.num_computed_tokens += q
             self.block_manager.cache_full_blocks(seq)
-            self.num_prompt_tokens += q if out.is_prefill else 0
             self.num_generation_tokens += len(row_samples)
             request = self.requests[seq.request_id]
             if row in prompt_lps and request.prompt_logprobs is None:
                 request.prompt_logprobs = self._prompt_logprob_dicts(request, prompt_lps[row])
+            if not row_samples:  # a prompt chunk with more to come: nothing sampled yet
+                continue
             request.metrics.first_token_time = request.metrics.first_token_time or now
             # Fork before anything is appended or finished: children copy the parent as it was.
             targets = [seq] + [self._fork(request, seq, j) for j in range(1, len(row_samples))]
@@ -322,7 +333,8 @@ class LLMEngine:
         num_running_requests, num_waiting_requests (requests with a running sequence / with
         all sequences waiting), and the running totals num_preemptions, num_prompt_tokens,
         num_generation_tokens, num_prefix_cache_queries / num_prefix_cache_hits (full prompt
-        blocks looked up in / found in the prefix cache)."""
+        blocks looked up in / found in the prefix cache); num_compilations (shapes the model step
+        is compiled for)."""
         bm, scheduler = self.block_manager, self.scheduler
         running_requests = {s.request_id for s in scheduler.running}
         waiting_requests = {s.request_id for s in scheduler.waiting} - running_requests
@@ -341,4 +353,5 @@ class LLMEngine:
             "num_prefix_cache_hits": bm.num_cache_hits,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
+            "num_compilations": self.runner.num_compilations,
         }

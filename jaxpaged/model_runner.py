@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import LlamaConfig, LlamaForCausalLM, ModelInput, forward
 from jaxpaged.pallas_kernels import PAD_SLOT_ID, copy_blocks
 from jaxpaged.sampler import SamplingMetadata, prompt_logprobs, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
-from jaxpaged.sequence import completion_seed
+from jaxpaged.sequence import Sequence, completion_seed
 
 MIN_PREFILL_BUCKET = 16  # smallest padded prompt length
 
@@ -68,36 +69,93 @@ class ModelRunner:
                              static_argnames=("all_positions",))
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
 
+    @property
+    def num_compilations(self) -> int:
+        """Shapes the jitted model step has been compiled for (one per bucket it has run)."""
+        return self._step._cache_size()
+
+    def bucket_shapes(self, max_num_seqs: int, max_num_batched_tokens: int,
+                      max_model_len: int) -> list[tuple[int, int, int]]:
+        """Every (B, Q, M) a step can be padded to under these limits: decodes `[B, 1]` with
+        M >= 1 table blocks, and prompt chunks `[B, Q]` whose fewest tokens (B/2 + 1 rows, the
+        longest Q/2 + 1 tokens) fit the token budget."""
+        def pow2s(lo: int, hi: int) -> list[int]:
+            return [1 << i for i in range(lo.bit_length() - 1, hi.bit_length())]
+
+        Bs = pow2s(1, next_power_of_2(max_num_seqs))
+        Ms = [0] + pow2s(1, next_power_of_2(-(-max_model_len // self.block_size)))
+        Qs = pow2s(MIN_PREFILL_BUCKET, max(MIN_PREFILL_BUCKET, next_power_of_2(
+            min(max_num_batched_tokens, max_model_len))))
+
+        def fits(B: int, Q: int) -> bool:
+            longest = Q // 2 + 1 if Q > MIN_PREFILL_BUCKET else 1
+            return longest + B // 2 <= max_num_batched_tokens
+
+        decodes = [(B, 1, M) for B in Bs if B // 2 + 1 <= max_num_batched_tokens
+                   for M in Ms if M > 0]
+        prefills = [(B, Q, M) for B in Bs for Q in Qs if fits(B, Q) for M in Ms]
+        return decodes + prefills
+
+    def precompile(self, shapes: list[tuple[int, int, int]], progress: bool = True) -> None:
+        """Compiles the model step for each (B, Q, M), on padding-only inputs (nothing is
+        written to the pool), so that serving compiles nothing new."""
+        for B, Q, M in tqdm(shapes, desc="Compiling step shapes", disable=not progress):
+            zeros = np.zeros((B, Q), np.int32)
+            batch = ModelInput(zeros, zeros, np.full((B, Q), PAD_SLOT_ID, np.int32),
+                               np.zeros((B, M), np.int32), np.zeros((B,), np.int32),
+                               np.zeros((B,), np.int32))
+            _, self.kv_cache = self._step(self.params, self.kv_cache, batch, all_positions=False)
+        jax.block_until_ready(self.kv_cache)
+
     def execute(self, out: SchedulerOutput) -> tuple[list[list[SampledToken]], dict]:
-        """Runs one scheduled step.
+        """Runs one scheduled step: its decodes as one `[B, 1]` batch, its prompt chunks as one
+        `[B, Q]` batch (each padded to its buckets), then one sampler call over both.
 
         Returns:
           (each row's sampled tokens, {row: prompt logprobs} for rows whose request asked for
-          them and whose prompt this step computed for the first time). A row draws
+          them and whose prompt this step computed). A row that completes its tokens draws
           `1 + seq.num_forks` samples (a parent about to fork into its n completions after its
-          prefill), all others one. Prompt logprobs are a list over prompt tokens 1.. of
-          (token logprob, rank, [(id, logprob)] top-k).
+          prefill); a prompt chunk with more to come draws none. Prompt logprobs are a list over
+          prompt tokens 1.. of (token logprob, rank, [(id, logprob)] top-k).
         """
         if out.blocks_to_copy:
             self._apply_copies(out.blocks_to_copy)
-        batch = self.prepare_input(out)
-        want = [row for row, s in enumerate(out.seqs) if out.is_prefill
-                and s.params.prompt_logprobs is not None and s.num_output_tokens == 0]
-        logits, self.kv_cache = self._step(self.params, self.kv_cache, batch,
-                                           all_positions=bool(want))
-        prompt_lps = {}
-        if want:
-            k = max(out.seqs[row].params.prompt_logprobs for row in want)
-            logits, *plp = prompt_logprobs(logits, batch.input_ids, batch.query_lens,
-                                           num_logprobs=next_power_of_2(k) if k else 0)
-            prompt_lps = self._collect_prompt_logprobs(out, want, jax.device_get(plp))
-        md, samples = self.prepare_sampling(out)
-        num_logprobs = max((s.params.logprobs or 0) for s in out.seqs)
+        decodes = [row for row, (s, q) in enumerate(zip(out.seqs, out.num_scheduled_tokens))
+                   if q == 1 and s.num_output_tokens > 0]
+        prefills = sorted(set(range(len(out.seqs))) - set(decodes))
+        logits_parts, logits_row, prompt_lps = [], {}, {}
+        for rows, is_prefill in ((decodes, False), (prefills, True)):
+            if not rows:
+                continue
+            seqs = [out.seqs[r] for r in rows]
+            qs = [out.num_scheduled_tokens[r] for r in rows]
+            batch = self.prepare_input(seqs, qs, is_prefill)
+            want = [i for i, s in enumerate(seqs) if is_prefill and s.num_computed_tokens == 0
+                    and s.params.prompt_logprobs is not None and s.num_output_tokens == 0]
+            logits, self.kv_cache = self._step(self.params, self.kv_cache, batch,
+                                               all_positions=bool(want))
+            if want:
+                k = max(seqs[i].params.prompt_logprobs for i in want)
+                logits, *plp = prompt_logprobs(logits, batch.input_ids, batch.query_lens,
+                                               num_logprobs=next_power_of_2(k) if k else 0)
+                collected = self._collect_prompt_logprobs(seqs, qs, want, jax.device_get(plp))
+                prompt_lps.update({rows[i]: lps for i, lps in collected.items()})
+            offset = sum(part.shape[0] for part in logits_parts)
+            logits_row.update({row: offset + i for i, row in enumerate(rows)})
+            logits_parts.append(logits)
+        logits = (logits_parts[0] if len(logits_parts) == 1
+                  else jnp.concatenate(logits_parts))
+        per_row = [[] for _ in out.seqs]
+        samples = [(row, seq, j) for row, seq in enumerate(out.seqs) if out.completes(row)
+                   for j in range(1 + seq.num_forks)]
+        if not samples:
+            return per_row, prompt_lps
+        md = self.prepare_sampling(samples, logits_row)
+        num_logprobs = max((s.params.logprobs or 0) for _, s, _ in samples)
         num_logprobs = next_power_of_2(num_logprobs) if num_logprobs else 0
         res = jax.device_get(sample_jit(
-            logits, md, all_greedy=all(s.params.is_greedy for s in out.seqs),
+            logits, md, all_greedy=all(s.params.is_greedy for _, s, _ in samples),
             num_logprobs=num_logprobs))
-        per_row = [[] for _ in out.seqs]
         for i, (row, seq, _) in enumerate(samples):
             k = seq.params.logprobs
             top = (None if k is None else
@@ -107,11 +165,11 @@ class ModelRunner:
         return per_row, prompt_lps
 
     @staticmethod
-    def _collect_prompt_logprobs(out: SchedulerOutput, rows: list[int], plp) -> dict:
+    def _collect_prompt_logprobs(seqs, qs, rows: list[int], plp) -> dict:
         target_lp, ranks, top_ids, top_lp = plp
         collected = {}
         for row in rows:
-            seq, q = out.seqs[row], out.num_scheduled_tokens[row]
+            seq, q = seqs[row], qs[row]
             k = seq.params.prompt_logprobs
             collected[row] = [
                 (float(target_lp[row, i]), int(ranks[row, i]),
@@ -126,14 +184,15 @@ class ModelRunner:
         src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
         self.kv_cache = self._copy_blocks(self.kv_cache, src, dst)
 
-    def prepare_input(self, out: SchedulerOutput) -> ModelInput:
-        """Pads the step to buckets: B rows, Q new tokens per row, M table blocks per row."""
+    def prepare_input(self, seqs: list, num_new_tokens: list[int], is_prefill: bool
+                      ) -> ModelInput:
+        """Pads rows to buckets: B rows, Q new tokens per row (1 for decodes; a power of two of
+        at least MIN_PREFILL_BUCKET for prompt chunks), M table blocks per row."""
         S = self.block_size
-        B = next_power_of_2(len(out.seqs))
-        Q = 1 if not out.is_prefill else max(MIN_PREFILL_BUCKET,
-                                             next_power_of_2(max(out.num_scheduled_tokens)))
+        B = next_power_of_2(len(seqs))
+        Q = 1 if not is_prefill else max(MIN_PREFILL_BUCKET, next_power_of_2(max(num_new_tokens)))
         covered = [s.num_computed_tokens + (q if self.tables_cover_new_tokens else 0)
-                   for s, q in zip(out.seqs, out.num_scheduled_tokens)]
+                   for s, q in zip(seqs, num_new_tokens)]
         max_blocks = max(-(-n // S) for n in covered)
         M = 0 if max_blocks == 0 else next_power_of_2(max_blocks)
 
@@ -143,7 +202,7 @@ class ModelRunner:
         block_tables = np.zeros((B, M), np.int32)
         num_computed = np.zeros((B,), np.int32)
         query_lens = np.zeros((B,), np.int32)
-        for row, (seq, q, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens, covered)):
+        for row, (seq, q, n) in enumerate(zip(seqs, num_new_tokens, covered)):
             start = seq.num_computed_tokens
             pos = np.arange(start, start + q)
             table = np.asarray(seq.block_table, np.int32)
@@ -157,15 +216,14 @@ class ModelRunner:
         return ModelInput(input_ids, positions, slot_mapping, block_tables, num_computed,
                           query_lens)
 
-    def prepare_sampling(self, out: SchedulerOutput) -> tuple[SamplingMetadata, list]:
+    def prepare_sampling(self, samples: list[tuple[int, Sequence, int]],
+                         logits_row: dict[int, int]) -> SamplingMetadata:
         """Per-sample arrays for `sampler.sample`, padded to a power of two R.
 
-        Sample j of a row drawing several uses seed `seq.seed + j` (mod 2**64), so the j-th of
-        n completions equals a lone request seeded `seed + j` (vLLM's convention). Returns the
-        metadata and the (row, seq, j) of each real sample.
+        `samples` are (batch row, seq, j): sample j of a row drawing several uses seed
+        `seq.seed + j` (mod 2**64), so the j-th of n completions equals a lone request seeded
+        `seed + j` (vLLM's convention). `logits_row` maps a batch row to its logits row.
         """
-        samples = [(row, seq, j) for row, seq in enumerate(out.seqs)
-                   for j in range(1 + seq.num_forks)]
         R, V = next_power_of_2(len(samples)), self.config.vocab_size
         f = {name: np.zeros((R,), np.float32) for name in
              ("temperature", "min_p", "frequency_penalty", "presence_penalty")}
@@ -183,7 +241,8 @@ class ModelRunner:
         prompt_mask = np.zeros((R, V), bool) if use_penalties else None
         for i, ((row, seq, j), p) in enumerate(zip(samples, params)):
             seed = completion_seed(seq.seed, j)
-            row_index[i], top_k[i], output_index[i] = row, p.top_k, seq.num_output_tokens
+            row_index[i], top_k[i] = logits_row[row], p.top_k
+            output_index[i] = seq.num_output_tokens
             seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
             for name in f:
                 f[name][i] = getattr(p, name)
@@ -199,7 +258,7 @@ class ModelRunner:
             repetition_penalty=f["repetition_penalty"] if use_penalties else None,
             frequency_penalty=f["frequency_penalty"] if use_penalties else None,
             presence_penalty=f["presence_penalty"] if use_penalties else None)
-        return md, samples
+        return md
 
     def _fill_bias(self, bias: np.ndarray, seq) -> None:
         """logit_bias, the allowed_token_ids mask, and min_tokens' mask of EOS / stop tokens."""

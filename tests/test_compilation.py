@@ -1,0 +1,25 @@
+"""Bucketed shapes: after `precompile`, serving a mixed workload compiles no new model step
+(counted through the jitted step's cache, not timed)."""
+
+from jaxpaged import SamplingParams
+
+
+def test_after_precompile_a_mixed_workload_compiles_no_new_step(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir, max_model_len=64, num_kv_blocks=64, max_num_seqs=4,
+                   max_num_batched_tokens=32, precompile=True)
+    engine = llm.llm_engine
+    sc = engine.scheduler_config
+    shapes = engine.runner.bucket_shapes(sc.max_num_seqs, sc.max_num_batched_tokens,
+                                         sc.max_model_len)
+    assert llm.stats()["num_compilations"] == len(shapes)
+    shared = "a shared instruction prefix that spans more than one block of tokens " * 2
+    prompts = [shared + "first", "short", shared + "second question here",
+               "a prompt long enough to be chunked under a 32 token budget " * 3, "x y z",
+               shared + "third"]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    params[1] = SamplingParams(n=2, seed=1, max_tokens=9, ignore_eos=True)
+    assert max(len(llm.get_tokenizer()(p).input_ids) for p in prompts) > 32  # one is chunked
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in outputs) > 0  # prefix cache hits happened
+    assert llm.stats()["num_compilations"] == len(shapes)
