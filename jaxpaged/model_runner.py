@@ -108,8 +108,8 @@ class ModelRunner:
         jax.block_until_ready(self.kv_cache)
 
     def execute(self, out: SchedulerOutput) -> tuple[list[list[SampledToken]], dict]:
-        """Runs one scheduled step: its decodes as one `[B, 1]` batch, its prompt chunks as one
-        `[B, Q]` batch (each padded to its buckets), then one sampler call over both.
+        """Runs one scheduled step: its decodes as one `[B, 1]` batch, its prompt chunks as
+        `[B, Q]` batches by padded length (see `_batches`), then one sampler call over all.
 
         Returns:
           (each row's sampled tokens, {row: prompt logprobs} for rows whose request asked for
@@ -120,13 +120,8 @@ class ModelRunner:
         """
         if out.blocks_to_copy:
             self._apply_copies(out.blocks_to_copy)
-        decodes = [row for row, (s, q) in enumerate(zip(out.seqs, out.num_scheduled_tokens))
-                   if q == 1 and s.num_output_tokens > 0]
-        prefills = sorted(set(range(len(out.seqs))) - set(decodes))
         logits_parts, logits_row, prompt_lps = [], {}, {}
-        for rows, is_prefill in ((decodes, False), (prefills, True)):
-            if not rows:
-                continue
+        for rows, is_prefill in self._batches(out):
             seqs = [out.seqs[r] for r in rows]
             qs = [out.num_scheduled_tokens[r] for r in rows]
             batch = self.prepare_input(seqs, qs, is_prefill)
@@ -163,6 +158,20 @@ class ModelRunner:
             per_row[row].append(SampledToken(int(res.token_ids[i]), float(res.logprobs[i]),
                                              int(res.ranks[i]), top))
         return per_row, prompt_lps
+
+    @staticmethod
+    def _batches(out: SchedulerOutput) -> list[tuple[list[int], bool]]:
+        """The step's rows as model calls: all decodes in one `[B, 1]` batch, prompt chunks
+        grouped by their padded length Q, so a short chunk is never padded to a long one's
+        length (the cost of a `[B, Q]` call is B * Q tokens)."""
+        decodes, by_bucket = [], {}
+        for row, (seq, q) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+            if q == 1 and seq.num_output_tokens > 0:
+                decodes.append(row)
+            else:
+                by_bucket.setdefault(max(MIN_PREFILL_BUCKET, next_power_of_2(q)), []).append(row)
+        batches = [(decodes, False)] if decodes else []
+        return batches + [(rows, True) for _, rows in sorted(by_bucket.items())]
 
     @staticmethod
     def _collect_prompt_logprobs(seqs, qs, rows: list[int], plp) -> dict:
