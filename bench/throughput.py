@@ -30,8 +30,8 @@ compiled by then; the first pass's time is reported as `cold_elapsed_s`).
 Reports per backend: elapsed seconds, requests/s, output tokens/s, total tokens/s; the ratio of
 jaxpaged to each peer; achieved model FLOP/s over this machine's float32 matmul peak (a 2048^3
 torch matmul, measured in the same run); and for jaxpaged the peak KV waste (allocated but unused
-token slots over allocated) next to a contiguous cache reserving `max_model_len` per running
-request on the same schedule. JSON and a PNG bar chart go to bench/results/; a table is printed
+token slots over allocated, a shared block counted once) at the step with the most blocks held,
+next to a contiguous cache reserving `max_model_len` per running request on the same schedule. JSON and a PNG bar chart go to bench/results/; a table is printed
 last.
 """
 
@@ -112,18 +112,29 @@ def run_jaxpaged_timed(llm, prompts, params, requests) -> dict:
         running = engine.scheduler.running
         used = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
         if used > peak["blocks"]:
-            tokens = sum(s.num_tokens for s in running)
-            peak = {"blocks": used, "tokens": tokens, "seqs": len(running)}
+            peak = {"blocks": used, "seqs": len(running),
+                    "slots_filled": _filled_slots(running, S),
+                    "tokens": sum(s.num_tokens for s in running)}
     elapsed = time.perf_counter() - start
     assert sorted(len(o.outputs[0].token_ids) for o in finished) == sorted(
         r["output_len"] for r in requests)
     allocated = peak["blocks"] * S
-    contiguous = peak["seqs"] * max_model_len
+    contiguous = peak["seqs"] * max_model_len  # each running request reserves max_model_len
     return {"elapsed_s": elapsed, "num_steps": num_steps,
             "num_cached_tokens": sum(o.num_cached_tokens for o in finished),
-            "kv_waste_at_peak": 1 - peak["tokens"] / allocated if allocated else 0.0,
+            "kv_waste_at_peak": 1 - peak["slots_filled"] / allocated if allocated else 0.0,
             "contiguous_kv_waste_at_peak": 1 - peak["tokens"] / contiguous if contiguous else 0.0,
             "peak_kv_blocks": peak["blocks"], "peak_running_seqs": peak["seqs"]}
+
+
+def _filled_slots(seqs, block_size: int) -> int:
+    """Token slots holding K/V in the blocks these sequences hold, each shared block once."""
+    filled: dict[int, int] = {}
+    for seq in seqs:
+        for i, block_id in enumerate(seq.block_table):
+            n = min(block_size, max(0, seq.num_tokens - i * block_size))
+            filled[block_id] = max(filled.get(block_id, 0), n)
+    return sum(filled.values())
 
 
 def run_hf(requests, args) -> dict:
@@ -213,9 +224,11 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def model_flops(config, requests) -> float:
+def model_flops(config, requests, num_cached_tokens: int = 0) -> float:
     """Matmul FLOPs of the workload: 2 x weights per computed token (the LM head only where a
-    token is sampled), plus attention's QK^T and PV over each token's context."""
+    token is sampled), plus attention's QK^T and PV over each token's context; less the weight
+    FLOPs of `num_cached_tokens` prompt tokens served from a prefix cache (their attention
+    share is left in, so this slightly overcounts)."""
     D, L = config.hidden_size, config.num_hidden_layers
     q_dim, kv_dim = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     per_layer = D * (2 * q_dim + 2 * kv_dim) + 3 * D * config.intermediate_size
@@ -226,7 +239,7 @@ def model_flops(config, requests) -> float:
         flops += 2 * L * per_layer * tokens + 2 * D * config.vocab_size * o
         # token t attends to t + 1 positions: sum over t of 4 * q_dim * (t + 1) per layer
         flops += 4 * L * q_dim * tokens * (tokens + 1) / 2
-    return flops
+    return flops - 2 * L * per_layer * num_cached_tokens
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -271,16 +284,17 @@ def main(argv=None) -> dict:
     num_in = sum(len(r["prompt_token_ids"]) for r in requests)
     num_out = sum(r["output_len"] for r in requests)
     peak = matmul_peak_flops()
-    flops = model_flops(config, requests)
     results = {}
     for name in args.backend:
         print(f"[{name}] {len(requests)} requests, {num_in} prompt + {num_out} output tokens",
               flush=True)
         r = BACKENDS[name](requests, args)
         elapsed = r["elapsed_s"]
+        computed = model_flops(config, requests, r.get("num_cached_tokens", 0))
         r.update(requests_per_s=len(requests) / elapsed, output_tokens_per_s=num_out / elapsed,
                  total_tokens_per_s=(num_in + num_out) / elapsed,
-                 model_flops_per_s=flops / elapsed, mfu=flops / elapsed / peak)
+                 model_flops=computed, model_flops_per_s=computed / elapsed,
+                 mfu=computed / elapsed / peak)
         results[name] = r
     ratios = {f"{mine}/{peer}": results[mine]["output_tokens_per_s"]
               / results[peer]["output_tokens_per_s"]
@@ -289,7 +303,7 @@ def main(argv=None) -> dict:
                   peer.startswith("jaxpaged") and mine != "jaxpaged")}
     report = {"config": {k: str(v) for k, v in vars(args).items()},
               "num_requests": len(requests), "num_prompt_tokens": num_in,
-              "num_output_tokens": num_out, "model_flops": flops,
+              "num_output_tokens": num_out,
               "matmul_peak_flops_per_s": peak, "results": results,
               "ratios_output_tokens_per_s": ratios}
     out.write_text(json.dumps(report, indent=2))
