@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel
@@ -157,7 +158,7 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, [p[:2] for p in prompts], make_params)
         if req.stream:
-            return self._completion_stream(req, request_id, prompts, streams)
+            return _closing(self._completion_stream(req, request_id, prompts, streams), streams)
         finals = await self._final_outputs(streams)
         choices = [self._completion_choice(req, i * req.n + c.index, prompts[i], f, c)
                    for i, f in enumerate(finals) for c in f.outputs]
@@ -234,7 +235,7 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, [prompt], make_params)
         if req.stream:
-            return self._chat_stream(req, request_id, streams)
+            return _closing(self._chat_stream(req, request_id, streams), streams)
         [final] = await self._final_outputs(streams)
         choices = [api.ChatChoice(index=c.index, message=api.AssistantMessage(content=c.text),
                                   logprobs=self._chat_logprobs(req, c.token_ids, c.logprobs),
@@ -318,6 +319,13 @@ class _Progress:
         if c.finish_reason:
             self.done.add(index)
         return seen
+
+
+def _closing(events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:
+    """`events`, with its requests aborted when it is dropped even if never started (a client
+    that disconnects before the first chunk; an unstarted generator runs no `finally`)."""
+    weakref.finalize(events, lambda: [stream.close() for stream in streams])
+    return events
 
 
 def _split_prompts(prompt) -> list[str | dict]:
