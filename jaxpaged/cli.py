@@ -70,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if "JAX_PLATFORMS" not in os.environ and shutil.which("nvidia-smi") is None:
-        # No GPU: keep jax from probing an installed CUDA plugin (it prints a traceback).
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        # No GPU: keep jax from probing an installed CUDA plugin (it prints a traceback). jax is
+        # imported already (by the `jaxpaged` package), but its backends start only on first use.
+        import jax
+        jax.config.update("jax_platforms", "cpu")
     try:
         if args.command == "prepare":
             from jaxpaged.model_store import ensure_default_model
