@@ -184,27 +184,44 @@ class OpenAIServing:
                                     logprobs=logprobs, finish_reason=c.finish_reason,
                                     stop_reason=c.stop_reason)
 
-    async def _completion_stream(self, req, request_id, prompts, streams) -> AsyncIterator[str]:
+    def _completion_stream(self, req, request_id, prompts, streams) -> AsyncIterator[str]:
         created = int(time.time())
+
+        def chunk(choices, usage=None):
+            return sse(api.CompletionResponse(id=request_id, created=created,
+                                              model=self.model_name, choices=choices,
+                                              usage=usage))
+
+        def choices_of(i: int, output: RequestOutput, progress: _Progress) -> list:
+            choices = []
+            for c in output.outputs:
+                index = i * req.n + c.index
+                seen = progress.advance(index, c, req.logprobs is not None, req.echo)
+                if seen is not None:
+                    choices.append(self._completion_choice(req, index, prompts[i], output, c,
+                                                           seen))
+            return choices
+
+        return self._events(streams, chunk, choices_of, req.include_usage)
+
+    async def _events(self, streams: list[RequestStream], chunk: Callable, choices_of: Callable,
+                      include_usage: bool, first_choices: list | None = None
+                      ) -> AsyncIterator[str]:
+        """A stream's SSE events: `first_choices` if given, then one chunk per engine output
+        with something new (`choices_of(prompt index, output, progress)`), the usage chunk if
+        asked, an error event if the engine fails, and `[DONE]` last."""
         progress, finals = _Progress(), []
         try:
+            if first_choices is not None:
+                yield chunk(first_choices)
             async for i, output in self._outputs(streams):
-                choices = []
-                for c in output.outputs:
-                    index = i * req.n + c.index
-                    seen = progress.advance(index, c, req.logprobs is not None, req.echo)
-                    if seen is not None:
-                        choices.append(self._completion_choice(req, index, prompts[i], output,
-                                                               c, seen))
+                choices = choices_of(i, output, progress)
                 if choices:
-                    yield sse(api.CompletionResponse(id=request_id, created=created,
-                                                     model=self.model_name, choices=choices))
+                    yield chunk(choices)
                 if output.finished:
                     finals.append(output)
-            if req.include_usage:
-                yield sse(api.CompletionResponse(id=request_id, created=created,
-                                                 model=self.model_name, choices=[],
-                                                 usage=self._usage(finals)))
+            if include_usage:
+                yield chunk([], self._usage(finals))
         except (EngineDeadError, APIError) as e:
             yield sse(_error_body(e))
         yield "data: [DONE]\n\n"
@@ -262,7 +279,7 @@ class OpenAIServing:
             return None
         return api.ChatLogprobs(content=chat_logprobs(token_ids, logprobs, req.top_logprobs or 0))
 
-    async def _chat_stream(self, req, request_id, streams) -> AsyncIterator[str]:
+    def _chat_stream(self, req, request_id, streams) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices, usage=None):
@@ -270,31 +287,24 @@ class OpenAIServing:
                 id=request_id, created=created, model=self.model_name, choices=choices,
                 usage=usage)))
 
-        progress, finals = _Progress(), []
-        try:
-            yield chunk([api.ChatChunkChoice(index=j, delta=api.DeltaMessage(
-                role="assistant", content="")) for j in range(req.n)])
-            async for _, output in self._outputs(streams):
-                choices = []
-                for c in output.outputs:
-                    seen = progress.advance(c.index, c, req.logprobs)
-                    if seen is None:
-                        continue
-                    seen_tokens, seen_chars = seen
-                    lps = None if c.logprobs is None else c.logprobs[seen_tokens:]
-                    choices.append(api.ChatChunkChoice(
-                        index=c.index, delta=api.DeltaMessage(content=c.text[seen_chars:]),
-                        logprobs=self._chat_logprobs(req, c.token_ids[seen_tokens:], lps),
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-                if choices:
-                    yield chunk(choices)
-                if output.finished:
-                    finals.append(output)
-            if req.include_usage:
-                yield chunk([], self._usage(finals))
-        except (EngineDeadError, APIError) as e:
-            yield sse(_error_body(e))
-        yield "data: [DONE]\n\n"
+        def choices_of(_: int, output: RequestOutput, progress: _Progress) -> list:
+            choices = []
+            for c in output.outputs:
+                seen = progress.advance(c.index, c, req.logprobs)
+                if seen is None:
+                    continue
+                seen_tokens, seen_chars = seen
+                lps = None if c.logprobs is None else c.logprobs[seen_tokens:]
+                choices.append(api.ChatChunkChoice(
+                    index=c.index, delta=api.DeltaMessage(content=c.text[seen_chars:]),
+                    logprobs=self._chat_logprobs(req, c.token_ids[seen_tokens:], lps),
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            return choices
+
+        roles = [api.ChatChunkChoice(index=j, delta=api.DeltaMessage(role="assistant",
+                                                                      content=""))
+                 for j in range(req.n)]
+        return self._events(streams, chunk, choices_of, req.include_usage, roles)
 
 
 class _Progress:
