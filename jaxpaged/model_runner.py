@@ -39,6 +39,21 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def bucket(n: int) -> int:
+    """The smallest of 0, 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5 times them)
+    that holds n: padding costs at most a third of the work, with two shapes per doubling."""
+    p = next_power_of_2(n)
+    return 0 if n <= 0 else p * 3 // 4 if p >= 4 and n <= p * 3 // 4 else p
+
+
+def buckets_upto(n: int) -> list[int]:
+    """Every `bucket` value from 1 up to `bucket(n)`."""
+    out = [1]
+    while out[-1] < n:
+        out.append(bucket(out[-1] + 1))
+    return out
+
+
 def kv_cache_shape(config: LlamaConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
     """Pool layout `[L, 2, K, P, S, H]` (see `pallas_kernels.reference`)."""
     return (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size,
@@ -63,6 +78,9 @@ class ModelRunner:
         # The XLA path reads only cached tokens from the pool; the Pallas kernels read the new
         # ones there too, so their block tables must cover them.
         self.tables_cover_new_tokens = model.attention_backend != "xla"
+        # The XLA path takes the rows' cached blocks as one flat list (no padding to the longest
+        # row); the Pallas kernels take padded block tables.
+        self.flat_context = model.attention_backend == "xla"
         graphdef, self.params = nnx.split(model)
         self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
         self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
@@ -76,34 +94,43 @@ class ModelRunner:
 
     def bucket_shapes(self, max_num_seqs: int, max_num_batched_tokens: int,
                       max_model_len: int) -> list[tuple[int, int, int]]:
-        """Every (B, Q, M) a step can be padded to under these limits: decodes `[B, 1]` with
-        M >= 1 table blocks, and prompt chunks `[B, Q]` whose fewest tokens (B/2 + 1 rows, the
-        longest Q/2 + 1 tokens) fit the token budget."""
-        def pow2s(lo: int, hi: int) -> list[int]:
-            return [1 << i for i in range(lo.bit_length() - 1, hi.bit_length())]
+        """Every (B, Q, C) a step can be padded to under these limits: decodes `[B, 1]` and
+        prompt chunks `[B, Q]` whose fewest tokens (the longest Q/2 + 1, the others 1 each) fit
+        the token budget. C counts cached blocks: on the XLA path the flat list's length NB
+        (`bucket` sizes up to what B rows or the pool hold), else block-table columns M (0 or
+        powers of two up to `max_model_len`)."""
+        max_blocks = -(-max_model_len // self.block_size)
+        Bs = buckets_upto(max_num_seqs)
+        Qs = [1 << i for i in range(MIN_PREFILL_BUCKET.bit_length() - 1, max(
+            MIN_PREFILL_BUCKET, next_power_of_2(min(max_num_batched_tokens, max_model_len))
+        ).bit_length())]
 
-        Bs = pow2s(1, next_power_of_2(max_num_seqs))
-        Ms = [0] + pow2s(1, next_power_of_2(-(-max_model_len // self.block_size)))
-        Qs = pow2s(MIN_PREFILL_BUCKET, max(MIN_PREFILL_BUCKET, next_power_of_2(
-            min(max_num_batched_tokens, max_model_len))))
+        def contexts(B: int) -> list[int]:
+            if self.flat_context:
+                return [0] + buckets_upto(min(B * max_blocks, self.kv_cache.shape[3]))
+            return [0] + [1 << i for i in range(next_power_of_2(max_blocks).bit_length())]
 
         def fits(B: int, Q: int) -> bool:
             longest = Q // 2 + 1 if Q > MIN_PREFILL_BUCKET else 1
-            return longest + B // 2 <= max_num_batched_tokens
+            return longest + bucket(B - 1) <= max_num_batched_tokens
 
-        decodes = [(B, 1, M) for B in Bs if B // 2 + 1 <= max_num_batched_tokens
-                   for M in Ms if M > 0]
-        prefills = [(B, Q, M) for B in Bs for Q in Qs if fits(B, Q) for M in Ms]
+        decodes = [(B, 1, C) for B in Bs if bucket(B - 1) + 1 <= max_num_batched_tokens
+                   for C in contexts(B) if C > 0]
+        prefills = [(B, Q, C) for B in Bs for Q in Qs if fits(B, Q) for C in contexts(B)]
         return decodes + prefills
 
     def precompile(self, shapes: list[tuple[int, int, int]], progress: bool = True) -> None:
-        """Compiles the model step for each (B, Q, M), on padding-only inputs (nothing is
-        written to the pool), so that serving compiles nothing new."""
-        for B, Q, M in tqdm(shapes, desc="Compiling step shapes", disable=not progress):
+        """Compiles the model step for each (B, Q, C) of `bucket_shapes`, on padding-only
+        inputs (nothing is written to the pool), so that serving compiles nothing new."""
+        for B, Q, C in tqdm(shapes, desc="Compiling step shapes", disable=not progress):
             zeros = np.zeros((B, Q), np.int32)
-            batch = ModelInput(zeros, zeros, np.full((B, Q), PAD_SLOT_ID, np.int32),
-                               np.zeros((B, M), np.int32), np.zeros((B,), np.int32),
-                               np.zeros((B,), np.int32))
+            flat = self.flat_context
+            batch = ModelInput(
+                zeros, zeros, np.full((B, Q), PAD_SLOT_ID, np.int32),
+                np.zeros((B, 0 if flat else C), np.int32), np.zeros((B,), np.int32),
+                np.zeros((B,), np.int32),
+                *((np.zeros((C,), np.int32), np.full((C,), B, np.int32),
+                   np.zeros((C,), np.int32)) if flat else ()))
             _, self.kv_cache = self._step(self.params, self.kv_cache, batch, all_positions=False)
         jax.block_until_ready(self.kv_cache)
 
@@ -195,15 +222,16 @@ class ModelRunner:
 
     def prepare_input(self, seqs: list, num_new_tokens: list[int], is_prefill: bool
                       ) -> ModelInput:
-        """Pads rows to buckets: B rows, Q new tokens per row (1 for decodes; a power of two of
-        at least MIN_PREFILL_BUCKET for prompt chunks), M table blocks per row."""
+        """Pads rows to buckets: B rows (`bucket`), Q new tokens per row (1 for decodes; a
+        power of two of at least MIN_PREFILL_BUCKET for prompt chunks), and the cached blocks:
+        a flat list of `bucket(NB)` entries on the XLA path, else M block-table columns."""
         S = self.block_size
-        B = next_power_of_2(len(seqs))
+        B = bucket(len(seqs))
         Q = 1 if not is_prefill else max(MIN_PREFILL_BUCKET, next_power_of_2(max(num_new_tokens)))
         covered = [s.num_computed_tokens + (q if self.tables_cover_new_tokens else 0)
                    for s, q in zip(seqs, num_new_tokens)]
-        max_blocks = max(-(-n // S) for n in covered)
-        M = 0 if max_blocks == 0 else next_power_of_2(max_blocks)
+        num_blocks = [-(-n // S) for n in covered]
+        M = 0 if self.flat_context or max(num_blocks) == 0 else next_power_of_2(max(num_blocks))
 
         input_ids = np.zeros((B, Q), np.int32)
         positions = np.zeros((B, Q), np.int32)
@@ -211,19 +239,41 @@ class ModelRunner:
         block_tables = np.zeros((B, M), np.int32)
         num_computed = np.zeros((B,), np.int32)
         query_lens = np.zeros((B,), np.int32)
-        for row, (seq, q, n) in enumerate(zip(seqs, num_new_tokens, covered)):
+        for row, (seq, q) in enumerate(zip(seqs, num_new_tokens)):
             start = seq.num_computed_tokens
             pos = np.arange(start, start + q)
             table = np.asarray(seq.block_table, np.int32)
             input_ids[row, :q] = seq.token_ids[start:start + q]
             positions[row, :q] = pos
             slot_mapping[row, :q] = table[pos // S] * S + pos % S
-            num_blocks = -(-n // S)
-            block_tables[row, :num_blocks] = table[:num_blocks]
+            block_tables[row, :min(M, num_blocks[row])] = table[:num_blocks[row]][:M]
             num_computed[row] = start
             query_lens[row] = q
+        if not self.flat_context:
+            return ModelInput(input_ids, positions, slot_mapping, block_tables, num_computed,
+                              query_lens)
         return ModelInput(input_ids, positions, slot_mapping, block_tables, num_computed,
-                          query_lens)
+                          query_lens, *self._flat_context(seqs, num_blocks, B))
+
+    def _flat_context(self, seqs: list, num_blocks: list[int], B: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(context_blocks, context_rows, context_lens), i32[bucket(NB)] each: the rows' cached
+        blocks one after another, then padding entries (block 0, row B, 0 tokens)."""
+        S = self.block_size
+        NB = bucket(sum(num_blocks))
+        blocks = np.zeros((NB,), np.int32)
+        rows = np.full((NB,), B, np.int32)
+        lens = np.zeros((NB,), np.int32)
+        start = 0
+        for row, (seq, n) in enumerate(zip(seqs, num_blocks)):
+            end = start + n
+            blocks[start:end] = seq.block_table[:n]
+            rows[start:end] = row
+            lens[start:end] = S
+            if n:
+                lens[end - 1] = seq.num_computed_tokens - (n - 1) * S
+            start = end
+        return blocks, rows, lens
 
     def prepare_sampling(self, samples: list[tuple[int, Sequence, int]],
                          logits_row: dict[int, int]) -> SamplingMetadata:

@@ -84,8 +84,10 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admits waiting sequences in order while sequences, tokens and blocks allow."""
-        while (self.waiting and budget > 0 and len(self.running) + 1 + self.waiting[0].num_forks
-               <= self.config.max_num_seqs):  # a parent brings its forks along
+        # A parent holds seats for the children it forks once its prompt is computed.
+        num_seats = sum(1 + s.num_forks for s in self.running)
+        while (self.waiting and budget > 0
+               and num_seats + 1 + self.waiting[0].num_forks <= self.config.max_num_seqs):
             seq = self.waiting[0]
             remaining = seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq)
             # Prompt log-probabilities are computed in one piece, never chunked.
@@ -95,6 +97,7 @@ class Scheduler:
             self.block_manager.allocate(seq)  # sets num_computed_tokens past a cached prefix
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
+            num_seats += 1 + seq.num_forks
             q = min(remaining, budget)
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(q)

@@ -29,7 +29,10 @@ class ModelInput:
     """One step's batch, padded to bucket sizes by the host (all int32 NumPy or jax arrays).
 
     Row b holds `query_lens[b]` new tokens; slots past it (and rows past the real batch) are
-    padding with `query_lens == 0` and `slot_mapping == PAD_SLOT_ID`.
+    padding with `query_lens == 0` and `slot_mapping == PAD_SLOT_ID`. The rows' cached blocks
+    come either as padded `block_tables` (the Pallas kernels) or, when `context_blocks` is set,
+    as one flat list (the XLA path, `pallas_kernels.paged_attention_xla_flat`; `block_tables`
+    is then `[B, 0]`).
     """
 
     input_ids: jax.Array  # i32[B, Q] new token ids
@@ -38,6 +41,9 @@ class ModelInput:
     block_tables: jax.Array  # i32[B, M] blocks of each row's cached (Pallas: and new) tokens
     num_computed_tokens: jax.Array  # i32[B] tokens of the row already in the pool
     query_lens: jax.Array  # i32[B] new tokens in the row (0 for padding rows)
+    context_blocks: jax.Array | None = None  # i32[NB] every row's cached blocks, row by row
+    context_rows: jax.Array | None = None  # i32[NB] row of each (B for padding entries)
+    context_lens: jax.Array | None = None  # i32[NB] cached tokens in each (0 for padding)
 
 
 class RMSNorm(nnx.Module):
@@ -83,9 +89,11 @@ class LlamaAttention(nnx.Module):
         q = apply_rope(self.q_proj(x).reshape(B, Q, N, H), cos, sin)
         k = apply_rope(self.k_proj(x).reshape(B, Q, K, H), cos, sin)
         v = self.v_proj(x).reshape(B, Q, K, H)
+        context = (None if batch.context_blocks is None else
+                   (batch.context_blocks, batch.context_rows, batch.context_lens))
         out, kv_update = pallas_kernels.attention(
             self.attention_backend, q, k, v, kv_layer, batch.slot_mapping, batch.block_tables,
-            batch.num_computed_tokens, batch.query_lens, scale=H ** -0.5)
+            batch.num_computed_tokens, batch.query_lens, scale=H ** -0.5, context=context)
         return self.o_proj(out.reshape(B, Q, N * H)), kv_update
 
 

@@ -10,8 +10,9 @@ from jaxpaged.pallas_kernels.paged_attention import paged_attention, paged_atten
 from jaxpaged.pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                             ragged_paged_attention_reference)
 from jaxpaged.pallas_kernels.reference import (PAD_SLOT_ID, copy_blocks, paged_attention_xla,
-                                              write_kv)
+                                              paged_attention_xla_flat, write_kv)
 
 __all__ = ["ATTENTION_BACKENDS", "PAD_SLOT_ID", "attention", "copy_blocks", "paged_attention",
-           "paged_attention_reference", "paged_attention_xla", "ragged_paged_attention",
-           "ragged_paged_attention_reference", "resolve_attention_backend", "write_kv"]
+           "paged_attention_reference", "paged_attention_xla", "paged_attention_xla_flat",
+           "ragged_paged_attention", "ragged_paged_attention_reference",
+           "resolve_attention_backend", "write_kv"]

@@ -1,9 +1,11 @@
 """Attention backend dispatch: the one place the model's attention reaches a kernel.
 
 Backends:
-  "xla"               `reference.paged_attention_xla` (pure jnp): cached K/V from the pool, new
-                      K/V passed in, all layers' new K/V written after the forward pass in one
-                      scatter (fastest on CPU).
+  "xla"               pure jnp: `reference.paged_attention_xla_flat` over a flat list of cached
+                      blocks (the engine's CPU path), or `paged_attention_xla` over padded
+                      block tables. Cached K/V come from the pool, new K/V are passed in, and
+                      all layers' new K/V are written after the forward pass in one scatter
+                      (fastest on CPU).
   "pallas"            the Pallas kernels (Triton on GPU): each layer writes its new K/V into the
                       pool first, then `paged_attention` (decode steps, Q == 1) or
                       `ragged_paged_attention` (any other step) reads everything from the pool.
@@ -18,7 +20,8 @@ import jax.numpy as jnp
 
 from jaxpaged.pallas_kernels.paged_attention import paged_attention
 from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from jaxpaged.pallas_kernels.reference import paged_attention_xla, write_kv
+from jaxpaged.pallas_kernels.reference import (paged_attention_xla, paged_attention_xla_flat,
+                                              write_kv)
 
 ATTENTION_BACKENDS = ("auto", "pallas", "pallas-interpret", "xla")
 
@@ -33,7 +36,7 @@ def resolve_attention_backend(name: str) -> str:
 
 
 def attention(backend: str, q, k, v, kv_layer, slot_mapping, block_tables, num_computed_tokens,
-              query_lens, *, scale: float):
+              query_lens, *, scale: float, context=None):
     """One layer's paged attention over a padded step batch.
 
     Args:
@@ -43,12 +46,19 @@ def attention(backend: str, q, k, v, kv_layer, slot_mapping, block_tables, num_c
       slot_mapping: i32[B, Q]; block_tables: i32[B, M]; num_computed_tokens, query_lens: i32[B]
         (see `models.llama.ModelInput`). For the Pallas backends the block tables must cover
         the new tokens too.
+      context: for "xla" only, None or (context_blocks, context_rows, context_lens), i32[NB]
+        each: the rows' cached blocks as one flat list (`paged_attention_xla_flat`), used
+        instead of `block_tables`.
 
     Returns:
       (out f[B, Q, N, H], update): for "xla" the update is (k, v), to be written for all layers
       with `write_kv` after the forward pass; for the Pallas backends it is `kv_layer` with the
       new K/V already written.
     """
+    if backend == "xla" and context is not None:
+        out = paged_attention_xla_flat(q, k, v, kv_layer[0], kv_layer[1], *context,
+                                       query_lens, scale=scale)
+        return out, (k, v)
     if backend == "xla":
         out = paged_attention_xla(q, k, v, kv_layer[0], kv_layer[1], block_tables,
                                   num_computed_tokens, query_lens, scale=scale)

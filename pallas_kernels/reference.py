@@ -71,6 +71,68 @@ def paged_attention_xla(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
     return out.reshape(B, Q, N, H).astype(q.dtype)
 
 
+def paged_attention_xla_flat(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                             k_pages: jax.Array, v_pages: jax.Array, context_blocks: jax.Array,
+                             context_rows: jax.Array, context_lens: jax.Array,
+                             query_lens: jax.Array, *, scale: float) -> jax.Array:
+    """`paged_attention_xla` over a flat list of cached blocks instead of padded block tables.
+
+    The rows' cached blocks are listed one after another (row 0's in logical order, then row
+    1's, ...), so the work is the real number of cached blocks, not B times the longest row's.
+    With the padded tables a batch holding one 1,300-token row and 31 short ones reads 32 * 128
+    blocks per layer; here it reads the short rows' real blocks plus that row's 82. Each block's
+    scores are softmaxed with its row's running max and sums, combined per row with segment
+    reductions (the flash-decoding split over blocks, here with one split per block).
+
+    Args:
+      q: f[B, Q, N, H] queries (not pre-scaled).
+      k_new, v_new: f[B, Q, K, H] keys and values of the new tokens.
+      k_pages, v_pages: f[K, P, S, H], one layer of the pool.
+      context_blocks: i32[NB] physical block of each listed block; padding entries any valid id.
+      context_rows: i32[NB] the row each block belongs to, non-decreasing; padding entries B
+        (out of range, so segment reductions drop them).
+      context_lens: i32[NB] cached tokens in each block (S but for a row's last block; 0 for
+        padding).
+      query_lens: i32[B] new tokens per row (<= Q); 0 for a padding row.
+      scale: softmax scale, usually H ** -0.5.
+
+    Returns:
+      f[B, Q, N, H] in q's dtype, equal to `paged_attention_xla` on the same rows up to float
+      rounding. Query slots past `query_lens[b]` hold finite garbage.
+    """
+    B, Q, N, H = q.shape
+    K, _, S, _ = k_pages.shape
+    G = N // K
+    qg = q.reshape(B, Q, K, G, H)
+    rows = context_rows
+    row_of = jnp.minimum(rows, B - 1)  # for gathers; padding entries are masked anyway
+    segment = dict(num_segments=B, indices_are_sorted=True)
+
+    k_ctx = k_pages[:, context_blocks]  # [K, NB, S, H]
+    v_ctx = v_pages[:, context_blocks]
+    s_ctx = jnp.einsum("nQKGH,KnSH->nKGQS", qg[row_of], k_ctx, preferred_element_type=jnp.float32)
+    ctx_valid = jnp.arange(S)[None, :] < context_lens[:, None]  # [NB, S]
+    s_ctx = jnp.where(ctx_valid[:, None, None, None, :], s_ctx * scale, _MASK_VALUE)
+
+    s_new = jnp.einsum("BQKGH,BJKH->BKGQJ", qg, k_new, preferred_element_type=jnp.float32)
+    causal = jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :]  # [Q, J]
+    new_valid = causal[None] & (jnp.arange(Q)[None, None, :] < query_lens[:, None, None])
+    s_new = jnp.where(new_valid[:, None, None], s_new * scale, _MASK_VALUE)  # [B, K, G, Q, J]
+
+    # Per-row max over its blocks and its new tokens; a row without blocks gets -inf there.
+    m = jnp.maximum(jax.ops.segment_max(s_ctx.max(-1), rows, **segment), s_new.max(-1))
+    p_ctx = jnp.exp(s_ctx - m[row_of][..., None])  # [NB, K, G, Q, S]; padding blocks drop below
+    p_new = jnp.exp(s_new - m[..., None])  # [B, K, G, Q, J]
+    denom = jax.ops.segment_sum(p_ctx.sum(-1), rows, **segment) + p_new.sum(-1)  # [B, K, G, Q]
+    out_ctx = jnp.einsum("nKGQS,KnSH->nQKGH", p_ctx.astype(q.dtype), v_ctx,
+                         preferred_element_type=jnp.float32)
+    out = (jax.ops.segment_sum(out_ctx, rows, **segment)
+           + jnp.einsum("BKGQJ,BJKH->BQKGH", p_new.astype(q.dtype), v_new,
+                        preferred_element_type=jnp.float32))
+    out = out / denom.transpose(0, 3, 1, 2)[..., None]
+    return out.reshape(B, Q, N, H).astype(q.dtype)
+
+
 def copy_blocks(kv_cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
     """Copies whole blocks of every layer: block dst[i] <- block src[i] (copy-on-write).
 

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.pallas_kernels import PAD_SLOT_ID, paged_attention_xla, write_kv
+from jaxpaged.pallas_kernels import (PAD_SLOT_ID, paged_attention_xla, paged_attention_xla_flat,
+                                     write_kv)
 
 
 def dense_attention(q, k, v, scale):
@@ -69,6 +70,44 @@ def test_paged_equals_dense(block_size, mode):
                                          scale=scale))
     for b, (k_all, v_all) in enumerate(dense):
         want = dense_attention(q[b, :ql[b]], k_all, v_all, scale)
+        np.testing.assert_allclose(out[b, :ql[b]], want, rtol=1e-5, atol=1e-5)
+
+
+def flat_blocks(block_tables, num_computed, block_size, num_padding):
+    """The rows' cached blocks as one list (block, row, tokens), then `num_padding` padding
+    entries (a valid block id, row B, 0 tokens)."""
+    B = len(num_computed)
+    blocks, rows, lens = [], [], []
+    for b, c in enumerate(num_computed):
+        for i in range(-(-int(c) // block_size)):
+            blocks.append(block_tables[b, i])
+            rows.append(b)
+            lens.append(min(block_size, int(c) - i * block_size))
+    blocks += [block_tables[0, 0]] * num_padding
+    rows += [B] * num_padding
+    lens += [0] * num_padding
+    return (np.array(blocks, np.int32), np.array(rows, np.int32), np.array(lens, np.int32))
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill", "chunk"])
+def test_flat_block_list_equals_dense(mode):
+    rng = np.random.default_rng(7)
+    context_lens = [1, 15, 16, 17, 100, 40]
+    query_lens = {"decode": [1] * 6, "prefill": context_lens, "chunk": [1, 7, 9, 1, 33, 2]}[mode]
+    q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense = build_case(
+        rng, context_lens, query_lens, 8)
+    # Poison every pool slot no row owns: reading one would show in the output.
+    owned = np.zeros(k_pages.shape[1:3], bool)
+    for b, c in enumerate(nc):
+        for pos in range(c):
+            owned[bt[b, pos // 8], pos % 8] = True
+    k_pages[:, ~owned], v_pages[:, ~owned] = 1e4, 1e4
+    blocks, rows, lens = flat_blocks(bt, nc, 8, num_padding=5)
+    out = np.asarray(paged_attention_xla_flat(q, k_new, v_new, k_pages, v_pages, blocks, rows,
+                                              lens, ql, scale=0.25))
+    assert np.isfinite(out).all()
+    for b, (k_all, v_all) in enumerate(dense):
+        want = dense_attention(q[b, :ql[b]], k_all, v_all, 0.25)
         np.testing.assert_allclose(out[b, :ql[b]], want, rtol=1e-5, atol=1e-5)
 
 

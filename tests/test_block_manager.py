@@ -87,6 +87,22 @@ def test_prefill_respects_max_num_seqs_and_token_budget():
     assert out.seqs == seqs[:2] and out.num_scheduled_tokens == [1, 1]
 
 
+def test_a_parent_holds_seats_for_its_forks_until_they_exist():
+    """n=2: the parent's child is forked only after its prompt is computed, so until then the
+    parent counts twice against max_num_seqs (this once let 3 sequences run with a limit of 2)."""
+    sched, _ = make_scheduler(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=8)
+    parent, other = seq(10), seq(3)
+    parent.num_forks = 1
+    sched.add(parent)
+    sched.add(other)
+    out = sched.schedule()  # the parent's first chunk of 8; the other may not join
+    assert out.seqs == [parent] and out.num_scheduled_tokens == [8]
+    assert list(sched.waiting) == [other]
+    run_decode_tokens(out)
+    out = sched.schedule()  # still chunking: two seats held, none free
+    assert out.seqs == [parent] and list(sched.waiting) == [other]
+
+
 def test_chunked_prefill_cuts_prompts_to_the_budget_and_decodes_go_first():
     sched, _ = make_scheduler(max_num_seqs=8, max_model_len=32, max_num_batched_tokens=16)
     a, b = seq(10), seq(10)

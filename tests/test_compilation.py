@@ -5,7 +5,7 @@ from jaxpaged import SamplingParams
 
 
 def test_after_precompile_a_mixed_workload_compiles_no_new_step(make_llm, tiny_model_dir):
-    llm = make_llm(tiny_model_dir, max_model_len=64, num_kv_blocks=64, max_num_seqs=4,
+    llm = make_llm(tiny_model_dir, max_model_len=64, num_kv_blocks=64, max_num_seqs=2,
                    max_num_batched_tokens=32, precompile=True)
     engine = llm.llm_engine
     sc = engine.scheduler_config
