@@ -80,9 +80,10 @@ def paged_attention_xla_flat(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
     The rows' cached blocks are listed one after another (row 0's in logical order, then row
     1's, ...), so the work is the real number of cached blocks, not B times the longest row's.
     With the padded tables a batch holding one 1,300-token row and 31 short ones reads 32 * 128
-    blocks per layer; here it reads the short rows' real blocks plus that row's 82. Each block's
-    scores are softmaxed with its row's running max and sums, combined per row with segment
-    reductions (the flash-decoding split over blocks, here with one split per block).
+    blocks per layer; here it reads the short rows' real blocks plus that row's 82. Scores are
+    exponentiated against their row's max (a segment max over the row's blocks and new tokens),
+    and the per-block sums and partial outputs are added up per row with segment sums, the
+    combine step of flash-decoding's split-K with one split per block.
 
     Args:
       q: f[B, Q, N, H] queries (not pre-scaled).
@@ -103,34 +104,44 @@ def paged_attention_xla_flat(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
     B, Q, N, H = q.shape
     K, _, S, _ = k_pages.shape
     G = N // K
-    qg = q.reshape(B, Q, K, G, H)
-    rows = context_rows
-    row_of = jnp.minimum(rows, B - 1)  # for gathers; padding entries are masked anyway
-    segment = dict(num_segments=B, indices_are_sorted=True)
+    rows, row_of = context_rows, jnp.minimum(context_rows, B - 1)  # row_of: padding reads B-1
 
+    # Segment reductions run over a leading row axis; everything else is K-major, so the
+    # batched dots over (kv head, block) need no transposes of the gathered pages.
+    def per_row(reduce, x):  # x: [K, NB, ...] -> [K, B, ...]; padding entries are dropped
+        return reduce(x.swapaxes(0, 1), rows, num_segments=B,
+                      indices_are_sorted=True).swapaxes(0, 1)
+
+    batched = ((0, 1), (0, 1))  # dot_general batch dims: (K, block or row)
+
+    # Query rows g = (G, Q): each kv head's G query heads at each of the Q new tokens.
+    qk = q.reshape(B, Q, K, G, H).transpose(2, 0, 3, 1, 4).reshape(K, B, G * Q, H)
     k_ctx = k_pages[:, context_blocks]  # [K, NB, S, H]
     v_ctx = v_pages[:, context_blocks]
-    s_ctx = jnp.einsum("nQKGH,KnSH->nKGQS", qg[row_of], k_ctx, preferred_element_type=jnp.float32)
+    s_ctx = jax.lax.dot_general(qk[:, row_of], k_ctx, (((3,), (3,)), batched),
+                                preferred_element_type=jnp.float32)  # [K, NB, g, S]
     ctx_valid = jnp.arange(S)[None, :] < context_lens[:, None]  # [NB, S]
-    s_ctx = jnp.where(ctx_valid[:, None, None, None, :], s_ctx * scale, _MASK_VALUE)
+    s_ctx = jnp.where(ctx_valid[None, :, None, :], s_ctx * scale, _MASK_VALUE)
 
-    s_new = jnp.einsum("BQKGH,BJKH->BKGQJ", qg, k_new, preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("BQKGH,BJKH->KBGQJ", q.reshape(B, Q, K, G, H), k_new,
+                       preferred_element_type=jnp.float32)
     causal = jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :]  # [Q, J]
     new_valid = causal[None] & (jnp.arange(Q)[None, None, :] < query_lens[:, None, None])
-    s_new = jnp.where(new_valid[:, None, None], s_new * scale, _MASK_VALUE)  # [B, K, G, Q, J]
+    s_new = jnp.where(new_valid[None, :, None], s_new * scale, _MASK_VALUE)
+    s_new = s_new.reshape(K, B, G * Q, Q)  # [K, B, g, J]
 
     # Per-row max over its blocks and its new tokens; a row without blocks gets -inf there.
-    m = jnp.maximum(jax.ops.segment_max(s_ctx.max(-1), rows, **segment), s_new.max(-1))
-    p_ctx = jnp.exp(s_ctx - m[row_of][..., None])  # [NB, K, G, Q, S]; padding blocks drop below
-    p_new = jnp.exp(s_new - m[..., None])  # [B, K, G, Q, J]
-    denom = jax.ops.segment_sum(p_ctx.sum(-1), rows, **segment) + p_new.sum(-1)  # [B, K, G, Q]
-    out_ctx = jnp.einsum("nKGQS,KnSH->nQKGH", p_ctx.astype(q.dtype), v_ctx,
+    m = jnp.maximum(per_row(jax.ops.segment_max, s_ctx.max(-1)), s_new.max(-1))  # [K, B, g]
+    p_ctx = jnp.exp(s_ctx - m[:, row_of][..., None])  # [K, NB, g, S]; padding blocks are 0
+    p_new = jnp.exp(s_new - m[..., None])
+    denom = per_row(jax.ops.segment_sum, p_ctx.sum(-1)) + p_new.sum(-1)  # [K, B, g]
+    out_ctx = jax.lax.dot_general(p_ctx.astype(q.dtype), v_ctx, (((3,), (2,)), batched),
+                                  preferred_element_type=jnp.float32)  # [K, NB, g, H]
+    out_new = jnp.einsum("KBgJ,BJKH->KBgH", p_new.astype(q.dtype), v_new,
                          preferred_element_type=jnp.float32)
-    out = (jax.ops.segment_sum(out_ctx, rows, **segment)
-           + jnp.einsum("BKGQJ,BJKH->BQKGH", p_new.astype(q.dtype), v_new,
-                        preferred_element_type=jnp.float32))
-    out = out / denom.transpose(0, 3, 1, 2)[..., None]
-    return out.reshape(B, Q, N, H).astype(q.dtype)
+    out = per_row(jax.ops.segment_sum, out_ctx) + out_new
+    out = (out / denom[..., None]).reshape(K, B, G, Q, H)
+    return out.transpose(1, 3, 0, 2, 4).reshape(B, Q, N, H).astype(q.dtype)
 
 
 def copy_blocks(kv_cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
