@@ -1,7 +1,9 @@
 """The model runner: owns params and the KV pool, turns a scheduled step into device arrays.
 
-The host builds NumPy arrays padded to power-of-two buckets (rows B, new tokens per row Q, cached
-blocks per row M), so the number of distinct shapes, and thus of compilations, stays small. One
+The host builds NumPy arrays padded to buckets (rows B and cached blocks in steps of 1.5x, new
+tokens per row Q in powers of two; see `bucket`), so the number of distinct shapes, and thus of
+compilations, stays bounded. On the XLA path the cached blocks go as one flat list of NB entries
+(`pallas_kernels.paged_attention_xla_flat`); the Pallas kernels take M block-table columns. One
 jitted step `(params, kv_cache, ModelInput) -> (logits, kv_cache)` runs with the pool donated,
 then the jitted sampler; only the sampled token ids come back to the host.
 """
