@@ -48,12 +48,22 @@ def bucket(n: int) -> int:
     return 0 if n <= 0 else p * 3 // 4 if p >= 4 and n <= p * 3 // 4 else p
 
 
+def pow2s(lo: int, hi: int) -> list[int]:
+    """The powers of two from lo up to hi (both powers of two)."""
+    return [1 << i for i in range(lo.bit_length() - 1, hi.bit_length())]
+
+
 def buckets_upto(n: int) -> list[int]:
     """Every `bucket` value from 1 up to `bucket(n)`."""
     out = [1]
     while out[-1] < n:
         out.append(bucket(out[-1] + 1))
     return out
+
+
+def _padding_context(NB: int, B: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A flat context list of NB padding entries: block 0, row B (dropped), 0 tokens."""
+    return np.zeros((NB,), np.int32), np.full((NB,), B, np.int32), np.zeros((NB,), np.int32)
 
 
 def kv_cache_shape(config: LlamaConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -77,11 +87,9 @@ class ModelRunner:
         self.config = model.config
         self.eos_token_ids = eos_token_ids
         self.block_size = cache_config.block_size
-        # The XLA path reads only cached tokens from the pool; the Pallas kernels read the new
-        # ones there too, so their block tables must cover them.
-        self.tables_cover_new_tokens = model.attention_backend != "xla"
-        # The XLA path takes the rows' cached blocks as one flat list (no padding to the longest
-        # row); the Pallas kernels take padded block tables.
+        # The XLA path reads only cached tokens from the pool, as one flat list of the rows'
+        # blocks (no padding to the longest row). The Pallas kernels take padded block tables,
+        # and read the new tokens from the pool too, so their tables must cover them.
         self.flat_context = model.attention_backend == "xla"
         graphdef, self.params = nnx.split(model)
         self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
@@ -103,14 +111,13 @@ class ModelRunner:
         powers of two up to `max_model_len`)."""
         max_blocks = -(-max_model_len // self.block_size)
         Bs = buckets_upto(max_num_seqs)
-        Qs = [1 << i for i in range(MIN_PREFILL_BUCKET.bit_length() - 1, max(
-            MIN_PREFILL_BUCKET, next_power_of_2(min(max_num_batched_tokens, max_model_len))
-        ).bit_length())]
+        Qs = pow2s(MIN_PREFILL_BUCKET, max(MIN_PREFILL_BUCKET, next_power_of_2(
+            min(max_num_batched_tokens, max_model_len))))
 
         def contexts(B: int) -> list[int]:
             if self.flat_context:
                 return [0] + buckets_upto(min(B * max_blocks, self.kv_cache.shape[3]))
-            return [0] + [1 << i for i in range(next_power_of_2(max_blocks).bit_length())]
+            return [0] + pow2s(1, next_power_of_2(max_blocks))
 
         def fits(B: int, Q: int) -> bool:
             longest = Q // 2 + 1 if Q > MIN_PREFILL_BUCKET else 1
@@ -127,12 +134,10 @@ class ModelRunner:
         for B, Q, C in tqdm(shapes, desc="Compiling step shapes", disable=not progress):
             zeros = np.zeros((B, Q), np.int32)
             flat = self.flat_context
-            batch = ModelInput(
-                zeros, zeros, np.full((B, Q), PAD_SLOT_ID, np.int32),
-                np.zeros((B, 0 if flat else C), np.int32), np.zeros((B,), np.int32),
-                np.zeros((B,), np.int32),
-                *((np.zeros((C,), np.int32), np.full((C,), B, np.int32),
-                   np.zeros((C,), np.int32)) if flat else ()))
+            batch = ModelInput(zeros, zeros, np.full((B, Q), PAD_SLOT_ID, np.int32),
+                               np.zeros((B, 0 if flat else C), np.int32),
+                               np.zeros((B,), np.int32), np.zeros((B,), np.int32),
+                               *(_padding_context(C, B) if flat else ()))
             _, self.kv_cache = self._step(self.params, self.kv_cache, batch, all_positions=False)
         jax.block_until_ready(self.kv_cache)
 
@@ -230,7 +235,7 @@ class ModelRunner:
         S = self.block_size
         B = bucket(len(seqs))
         Q = 1 if not is_prefill else max(MIN_PREFILL_BUCKET, next_power_of_2(max(num_new_tokens)))
-        covered = [s.num_computed_tokens + (q if self.tables_cover_new_tokens else 0)
+        covered = [s.num_computed_tokens + (0 if self.flat_context else q)
                    for s, q in zip(seqs, num_new_tokens)]
         num_blocks = [-(-n // S) for n in covered]
         M = 0 if self.flat_context or max(num_blocks) == 0 else next_power_of_2(max(num_blocks))
@@ -248,24 +253,20 @@ class ModelRunner:
             input_ids[row, :q] = seq.token_ids[start:start + q]
             positions[row, :q] = pos
             slot_mapping[row, :q] = table[pos // S] * S + pos % S
-            block_tables[row, :min(M, num_blocks[row])] = table[:num_blocks[row]][:M]
+            if M:
+                block_tables[row, :num_blocks[row]] = table[:num_blocks[row]]
             num_computed[row] = start
             query_lens[row] = q
-        if not self.flat_context:
-            return ModelInput(input_ids, positions, slot_mapping, block_tables, num_computed,
-                              query_lens)
+        context = self._flat_context(seqs, num_blocks, B) if self.flat_context else ()
         return ModelInput(input_ids, positions, slot_mapping, block_tables, num_computed,
-                          query_lens, *self._flat_context(seqs, num_blocks, B))
+                          query_lens, *context)
 
     def _flat_context(self, seqs: list, num_blocks: list[int], B: int
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(context_blocks, context_rows, context_lens), i32[bucket(NB)] each: the rows' cached
         blocks one after another, then padding entries (block 0, row B, 0 tokens)."""
         S = self.block_size
-        NB = bucket(sum(num_blocks))
-        blocks = np.zeros((NB,), np.int32)
-        rows = np.full((NB,), B, np.int32)
-        lens = np.zeros((NB,), np.int32)
+        blocks, rows, lens = _padding_context(bucket(sum(num_blocks)), B)
         start = 0
         for row, (seq, n) in enumerate(zip(seqs, num_blocks)):
             end = start + n

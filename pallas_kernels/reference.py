@@ -19,6 +19,13 @@ PAD_SLOT_ID = -1  # slot_mapping value of a padding token: its K/V is not writte
 _MASK_VALUE = -1e30  # finite, so fully masked (padding) rows give finite output instead of NaN
 
 
+def _new_token_mask(Q: int, query_lens: jax.Array) -> jax.Array:
+    """bool[B, Q, J]: new token q of a row sees new token j of the same row (causal), and j is
+    a real token (j < query_lens)."""
+    causal = jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :]  # [Q, J]
+    return causal[None] & (jnp.arange(Q)[None, None, :] < query_lens[:, None, None])
+
+
 def paged_attention_xla(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                         k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                         num_computed_tokens: jax.Array, query_lens: jax.Array, *,
@@ -60,9 +67,8 @@ def paged_attention_xla(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
 
     # New tokens: causal among themselves.
     s_new = jnp.einsum("BQKGH,BJKH->BKGQJ", qg, k_new, preferred_element_type=jnp.float32)
-    causal = jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :]  # [Q, J]
-    new_valid = causal[None] & (jnp.arange(Q)[None, None, :] < query_lens[:, None, None])
-    s_new = jnp.where(new_valid[:, None, None], s_new * scale, _MASK_VALUE)  # [B, K, G, Q, J]
+    s_new = jnp.where(_new_token_mask(Q, query_lens)[:, None, None], s_new * scale,
+                      _MASK_VALUE)  # [B, K, G, Q, J]
 
     probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_new], axis=-1), axis=-1)
     p_ctx, p_new = probs[..., :M * S].astype(q.dtype), probs[..., M * S:].astype(q.dtype)
@@ -125,9 +131,8 @@ def paged_attention_xla_flat(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
 
     s_new = jnp.einsum("BQKGH,BJKH->KBGQJ", q.reshape(B, Q, K, G, H), k_new,
                        preferred_element_type=jnp.float32)
-    causal = jnp.arange(Q)[:, None] >= jnp.arange(Q)[None, :]  # [Q, J]
-    new_valid = causal[None] & (jnp.arange(Q)[None, None, :] < query_lens[:, None, None])
-    s_new = jnp.where(new_valid[None, :, None], s_new * scale, _MASK_VALUE)
+    s_new = jnp.where(_new_token_mask(Q, query_lens)[None, :, None], s_new * scale,
+                      _MASK_VALUE)
     s_new = s_new.reshape(K, B, G * Q, Q)  # [K, B, g, J]
 
     # Per-row max over its blocks and its new tokens; a row without blocks gets -inf there.
