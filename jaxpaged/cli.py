@@ -27,7 +27,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precompile", action="store_true",
                    help="compile every padded step shape at startup (slow on CPU)")
     g.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "pallas", "pallas-interpret", "xla"])
+                   choices=["auto", "cpu", "pallas", "pallas-interpret", "xla"])
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the sampling of requests that give no seed")
 

@@ -33,8 +33,9 @@ class LLM:
       kv_cache_memory_bytes: KV pool budget in bytes (default 2 GiB).
       enable_prefix_caching: reuse the K/V of full blocks of earlier prompts with the same
         prefix (automatic prefix caching); `RequestOutput.num_cached_tokens` reports the hits.
-      attention_backend: "auto" (Pallas kernels on GPU, XLA on CPU), "pallas",
-        "pallas-interpret" (the kernels under the Pallas interpreter, for tests) or "xla".
+      attention_backend: "auto" (Pallas kernels on GPU; on CPU the C++ kernel, or XLA where
+        no C++ compiler is found), "cpu", "pallas", "pallas-interpret" (the kernels under the
+        Pallas interpreter, for tests) or "xla" (pure jnp).
       seed: seeds the per-request seeds of requests that set none.
       precompile: compile the model step for every padded shape the limits above allow, at
         startup (with a progress bar), so that serving compiles nothing new. Each shape costs

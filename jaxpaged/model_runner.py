@@ -87,10 +87,10 @@ class ModelRunner:
         self.config = model.config
         self.eos_token_ids = eos_token_ids
         self.block_size = cache_config.block_size
-        # The XLA path reads only cached tokens from the pool, as one flat list of the rows'
-        # blocks (no padding to the longest row). The Pallas kernels take padded block tables,
-        # and read the new tokens from the pool too, so their tables must cover them.
-        self.flat_context = model.attention_backend == "xla"
+        # The XLA and C++ paths read only cached tokens from the pool, as one flat list of the
+        # rows' blocks (no padding to the longest row). The Pallas kernels take padded block
+        # tables, and read the new tokens from the pool too, so their tables must cover them.
+        self.flat_context = model.attention_backend in ("xla", "cpu")
         graphdef, self.params = nnx.split(model)
         self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
         self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,

@@ -83,7 +83,8 @@ class LlamaAttention(nnx.Module):
         self.o_proj = _linear(N * H, D, dtype, rngs)
 
     def __call__(self, x, cos, sin, kv_layer, batch: ModelInput):
-        # x: [B, Q, D]; kv_layer: [2, K, P, S, H] this layer's pool.
+        # x: [B, Q, D]; kv_layer: [2, K, P, S, H] this layer's pool, or for the "cpu" backend
+        # (kv_cache, layer): the whole pool and this layer's index.
         B, Q, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
         q = apply_rope(self.q_proj(x).reshape(B, Q, N, H), cos, sin)
@@ -170,11 +171,15 @@ class LlamaForCausalLM(nnx.Module):
         layer_def, layer_state = nnx.split(self.layers)
 
         def layer_step(x, per_layer):
-            state, kv_layer = per_layer  # kv_layer: [2, K, P, S, H]
+            state, kv_layer = per_layer  # kv_layer: [2, K, P, S, H], or i32[] for "cpu"
+            if self.attention_backend == "cpu":  # the kernel reads the whole pool in place
+                kv_layer = (kv_cache, kv_layer)
             return nnx.merge(layer_def, state)(x, cos, sin, kv_layer, batch)
 
-        x, kv_update = jax.lax.scan(layer_step, x, (layer_state, kv_cache))
-        if self.attention_backend == "xla":  # new K/V of every layer, k, v: [L, B, Q, K, H]
+        per_layer_kv = (jnp.arange(kv_cache.shape[0]) if self.attention_backend == "cpu"
+                        else kv_cache)
+        x, kv_update = jax.lax.scan(layer_step, x, (layer_state, per_layer_kv))
+        if self.attention_backend in ("xla", "cpu"):  # new K/V of every layer: [L, B, Q, K, H]
             k, v = kv_update
             L = k.shape[0]
             kv_cache = pallas_kernels.write_kv(

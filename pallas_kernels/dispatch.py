@@ -10,7 +10,10 @@ Backends:
                       pool first, then `paged_attention` (decode steps, Q == 1) or
                       `ragged_paged_attention` (any other step) reads everything from the pool.
   "pallas-interpret"  the same kernels under the Pallas interpreter (CPU tests).
-  "auto"              "pallas" on GPU, "xla" on CPU.
+  "cpu"               like "xla", but the cached blocks are read in place by a C++ kernel
+                      (`cpu_attention.paged_attention_cpu`, an XLA FFI custom call compiled on
+                      first use); float32 pools only, others take the "xla" code.
+  "auto"              "pallas" on GPU; on CPU "cpu" where the kernel builds, else "xla".
 """
 
 from __future__ import annotations
@@ -18,20 +21,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.pallas_kernels.paged_attention import paged_attention
 from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from jaxpaged.pallas_kernels.reference import (paged_attention_xla, paged_attention_xla_flat,
                                               write_kv)
 
-ATTENTION_BACKENDS = ("auto", "pallas", "pallas-interpret", "xla")
+ATTENTION_BACKENDS = ("auto", "cpu", "pallas", "pallas-interpret", "xla")
 
 
 def resolve_attention_backend(name: str) -> str:
-    """The concrete backend for `name`. Raises ValueError for an unknown name."""
+    """The concrete backend for `name`.
+
+    Raises:
+      ValueError: an unknown name, or "cpu" where the C++ kernel cannot be built.
+    """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend {name!r} is not one of {ATTENTION_BACKENDS}")
     if name == "auto":
-        return "xla" if jax.default_backend() == "cpu" else "pallas"
+        if jax.default_backend() != "cpu":
+            return "pallas"
+        return "cpu" if cpu_attention.available() else "xla"
+    if name == "cpu" and not cpu_attention.available():
+        raise ValueError("attention_backend 'cpu' needs the C++ kernel, which could not be "
+                         "built here (see the log); use 'xla'")
     return name
 
 
@@ -40,21 +53,29 @@ def attention(backend: str, q, k, v, kv_layer, slot_mapping, block_tables, num_c
     """One layer's paged attention over a padded step batch.
 
     Args:
-      backend: a resolved backend ("xla", "pallas" or "pallas-interpret").
+      backend: a resolved backend ("cpu", "xla", "pallas" or "pallas-interpret").
       q: f[B, Q, N, H]; k, v: f[B, Q, K, H] the new tokens' projections (RoPE applied).
-      kv_layer: f[2, K, P, S, H] this layer's pool.
+      kv_layer: f[2, K, P, S, H] this layer's pool; for "cpu" the pair (kv_cache
+        f[L, 2, K, P, S, H], layer i32[]), the whole pool and this layer's index.
       slot_mapping: i32[B, Q]; block_tables: i32[B, M]; num_computed_tokens, query_lens: i32[B]
         (see `models.llama.ModelInput`). For the Pallas backends the block tables must cover
         the new tokens too.
-      context: for "xla" only, None or (context_blocks, context_rows, context_lens), i32[NB]
+      context: for "xla" and "cpu" only (required by "cpu"), None or (context_blocks, context_rows, context_lens), i32[NB]
         each: the rows' cached blocks as one flat list (`paged_attention_xla_flat`), used
         instead of `block_tables`.
 
     Returns:
-      (out f[B, Q, N, H], update): for "xla" the update is (k, v), to be written for all layers
+      (out f[B, Q, N, H], update): for "xla" and "cpu" the update is (k, v), to be written for all layers
       with `write_kv` after the forward pass; for the Pallas backends it is `kv_layer` with the
       new K/V already written.
     """
+    if backend == "cpu":
+        kv_cache, layer = kv_layer
+        if kv_cache.dtype == jnp.float32:
+            out = cpu_attention.paged_attention_cpu(q, k, v, kv_cache, layer, *context,
+                                                    query_lens, scale=scale)
+            return out, (k, v)
+        backend, kv_layer = "xla", kv_cache[layer]  # the kernel is float32 only
     if backend == "xla" and context is not None:
         out = paged_attention_xla_flat(q, k, v, kv_layer[0], kv_layer[1], *context,
                                        query_lens, scale=scale)
