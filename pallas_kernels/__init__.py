@@ -1,9 +1,11 @@
 """Paged-attention kernels, their pure-jnp references, and the backend dispatch.
 
-This package imports only jax and numpy. The model calls attention through `dispatch.attention`,
+This package imports only jax and numpy (and compiles one C++ file, `csrc/`, on first use of
+the CPU kernel). The model calls attention through `dispatch.attention`,
 so kernels replace the XLA path without touching model code.
 """
 
+from jaxpaged.pallas_kernels.cpu_attention import paged_attention_cpu
 from jaxpaged.pallas_kernels.dispatch import (ATTENTION_BACKENDS, attention,
                                               resolve_attention_backend)
 from jaxpaged.pallas_kernels.paged_attention import paged_attention, paged_attention_reference

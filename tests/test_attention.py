@@ -1,12 +1,15 @@
-"""The paged jnp attention equals dense causal attention; the KV write lands in the right slots."""
+"""The paged jnp attention and the C++ CPU kernel equal dense causal attention; the KV write
+lands in the right slots."""
+
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.pallas_kernels import (PAD_SLOT_ID, paged_attention_xla, paged_attention_xla_flat,
-                                     write_kv)
+from jaxpaged.pallas_kernels import (PAD_SLOT_ID, cpu_attention, paged_attention_xla,
+                                     paged_attention_xla_flat, write_kv)
 
 
 def dense_attention(q, k, v, scale):
@@ -89,8 +92,29 @@ def flat_blocks(block_tables, num_computed, block_size, num_padding):
     return (np.array(blocks, np.int32), np.array(rows, np.int32), np.array(lens, np.int32))
 
 
+def test_cpu_kernel_builds_where_a_compiler_exists():
+    # Otherwise every "cpu" test below would silently run nothing.
+    has_compiler = (shutil.which("c++") or shutil.which("g++")) is not None
+    assert cpu_attention.available() == has_compiler
+
+
+def flat_attention(impl, q, k_new, v_new, k_pages, v_pages, blocks, rows, lens, ql, scale):
+    """`paged_attention_xla_flat`, or the C++ kernel reading layer 1 of a 2-layer pool whose
+    layer 0 is poison."""
+    if impl == "xla":
+        return paged_attention_xla_flat(q, k_new, v_new, k_pages, v_pages, blocks, rows, lens,
+                                        ql, scale=scale)
+    if not cpu_attention.available():
+        pytest.skip("no C++ compiler")
+    layer = np.stack([k_pages, v_pages])
+    kv_cache = np.stack([np.full_like(layer, 1e4), layer])
+    return jax.jit(cpu_attention.paged_attention_cpu, static_argnames="scale")(
+        q, k_new, v_new, kv_cache, np.int32(1), blocks, rows, lens, ql, scale=scale)
+
+
+@pytest.mark.parametrize("impl", ["xla", "cpu"])
 @pytest.mark.parametrize("mode", ["decode", "prefill", "chunk"])
-def test_flat_block_list_equals_dense(mode):
+def test_flat_block_list_equals_dense(mode, impl):
     rng = np.random.default_rng(7)
     context_lens = [1, 15, 16, 17, 100, 40]
     query_lens = {"decode": [1] * 6, "prefill": context_lens, "chunk": [1, 7, 9, 1, 33, 2]}[mode]
@@ -103,12 +127,41 @@ def test_flat_block_list_equals_dense(mode):
             owned[bt[b, pos // 8], pos % 8] = True
     k_pages[:, ~owned], v_pages[:, ~owned] = 1e4, 1e4
     blocks, rows, lens = flat_blocks(bt, nc, 8, num_padding=5)
-    out = np.asarray(paged_attention_xla_flat(q, k_new, v_new, k_pages, v_pages, blocks, rows,
-                                              lens, ql, scale=0.25))
+    out = np.asarray(flat_attention(impl, q, k_new, v_new, k_pages, v_pages, blocks, rows, lens,
+                                    ql, 0.25))
     assert np.isfinite(out).all()
     for b, (k_all, v_all) in enumerate(dense):
         want = dense_attention(q[b, :ql[b]], k_all, v_all, 0.25)
         np.testing.assert_allclose(out[b, :ql[b]], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "cpu"])
+def test_flat_padding_rows_and_rows_without_context(impl):
+    # Row 1 has no cached tokens (a fresh prefill); row 3 is a padding row (no tokens at all).
+    rng = np.random.default_rng(3)
+    q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense = build_case(
+        rng, [21, 4, 11], [1, 4, 2], 8)
+    pad = lambda a: np.concatenate([a, np.zeros_like(a[:1])])
+    blocks, rows, lens = flat_blocks(bt, nc, 8, num_padding=3)
+    rows = np.where(rows == len(nc), len(nc) + 1, rows)  # padding entries name row B
+    out = np.asarray(flat_attention(impl, pad(q), pad(k_new), pad(v_new), k_pages, v_pages,
+                                    blocks, rows, lens, pad(ql), 0.25))
+    assert np.isfinite(out).all()
+    for b, (k_all, v_all) in enumerate(dense):
+        want = dense_attention(q[b, :ql[b]], k_all, v_all, 0.25)
+        np.testing.assert_allclose(out[b, :ql[b]], want, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_kernel_rejects_a_block_outside_the_pool():
+    if not cpu_attention.available():
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(0)
+    q, k_new, v_new, k_pages, v_pages, bt, nc, ql, _ = build_case(rng, [9], [1], 8)
+    blocks, rows, lens = flat_blocks(bt, nc, 8, num_padding=0)
+    blocks[0] = k_pages.shape[1]  # one past the last block
+    with pytest.raises(Exception, match="context block id out of range"):
+        np.asarray(flat_attention("cpu", q, k_new, v_new, k_pages, v_pages, blocks, rows, lens,
+                                  ql, 0.25))
 
 
 def test_padding_rows_are_finite_and_do_not_touch_real_rows():
