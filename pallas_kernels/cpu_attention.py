@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cc"
 _TARGET = "jaxpaged_paged_attention_context"
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-pthread"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
+          "-pthread"]
 
 
 def _cache_dir() -> Path:

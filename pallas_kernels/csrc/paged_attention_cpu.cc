@@ -9,6 +9,9 @@
 // block). It covers only the cached context; the caller merges in the new tokens' attention with
 // the returned log-sum-exp (the combine step of flash-decoding's split-K).
 //
+// Built with -ffast-math so that the exp loop vectorizes (glibc's libmvec); no value here is
+// infinite or NaN for finite inputs (the running max starts at -1e30, not -inf).
+//
 // Axis letters follow `pallas_kernels/reference.py`. Inputs:
 //   q               f32[B, Q, N, H]   queries, not pre-scaled
 //   kv_cache        f32[L, 2, K, P, S, H] the whole pool (0 = keys, 1 = values)
@@ -86,7 +89,7 @@ void AttendRowHead(const Args& a, int64_t b, int64_t k, std::vector<float>& scra
       float* dst = qs + (i * d.G + g) * H;
       for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * a.scale;
     }
-  std::fill(m, m + R, -INFINITY);
+  std::fill(m, m + R, kMaskValue);
 
   for (int64_t e = a.row_start[b]; e < a.row_start[b + 1]; ++e) {
     const int64_t n = std::clamp<int64_t>(a.lens[e], 0, S);
@@ -95,7 +98,7 @@ void AttendRowHead(const Args& a, int64_t b, int64_t k, std::vector<float>& scra
     const float* vb = a.v_pages + (k * d.P + a.blocks[e]) * S * H;
     for (int64_t r = 0; r < R; ++r) {
       const float* qr = qs + r * H;
-      float block_max = -INFINITY;
+      float block_max = kMaskValue;
       for (int64_t t = 0; t < n; ++t) {
         s[t] = Dot(qr, kb + t * H, H);
         block_max = std::max(block_max, s[t]);
@@ -108,15 +111,20 @@ void AttendRowHead(const Args& a, int64_t b, int64_t k, std::vector<float>& scra
         for (int64_t h = 0; h < H; ++h) ar[h] *= c;
         m[r] = block_max;
       }
+      const float mr = m[r];
       float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < n; ++t) {
-        const float p = std::exp(s[t] - m[r]);
-        sum += p;
+        s[t] = std::exp(s[t] - mr);
+        sum += s[t];
+      }
+      l[r] += sum;
+      for (int64_t t = 0; t < n; ++t) {
+        const float p = s[t];
         const float* vt = vb + t * H;
 #pragma omp simd
         for (int64_t h = 0; h < H; ++h) ar[h] += p * vt[h];
       }
-      l[r] += sum;
     }
   }
 
