@@ -1,8 +1,9 @@
 """Paged attention on CPU through a C++ XLA FFI custom call (the "cpu" attention backend).
 
-`csrc/paged_attention_cpu.cc` reads each row's cached blocks in place in the pool, where the
-pure-jnp `paged_attention_xla_flat` first gathers them into a new buffer and then runs thousands
-of tiny dots. It is compiled with the system C++ compiler on first use (a few seconds), cached
+`csrc/paged_attention_cpu.cc` reads each sequence's cached blocks in place in the pool, where
+the pure-jnp `paged_attention_xla_flat` first gathers them into a new buffer and then runs
+thousands of tiny dots; it also takes packed sequences of any lengths (`query_start_loc`), so a
+step need not pad its prompt chunks to a common length. It is compiled with the system C++ compiler on first use (a few seconds), cached
 under `$JAXPAGED_HOME/kernels/` keyed by source, jaxlib version and CPU, and registered with
 `jax.ffi`. Where no compiler is found, `available()` is False and the "auto" backend falls back
 to "xla".
@@ -26,12 +27,10 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jaxpaged.pallas_kernels.reference import _MASK_VALUE, _new_token_mask
-
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cc"
-_TARGET = "jaxpaged_paged_attention_context"
+_TARGET = "jaxpaged_paged_attention"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
           "-pthread"]
 
@@ -89,82 +88,45 @@ def available() -> bool:
     except (OSError, RuntimeError) as e:
         logger.warning("CPU attention kernel unavailable, using the jnp path: %s", e)
         return False
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxpagedPagedAttentionContext),
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxpagedPagedAttention),
                                 platform="cpu")
     return True
 
 
-def paged_attention_cpu_context(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
-                                context_blocks: jax.Array, context_rows: jax.Array,
-                                context_lens: jax.Array, query_lens: jax.Array, *,
-                                scale: float) -> tuple[jax.Array, jax.Array]:
-    """Attention of each row's new queries over its cached tokens only (no new tokens, no mask).
+def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: jax.Array,
+                        layer: jax.Array, query_start_loc: jax.Array, query_lens: jax.Array,
+                        context_blocks: jax.Array, context_rows: jax.Array,
+                        context_lens: jax.Array, *, scale: float) -> jax.Array:
+    """Causal paged attention of packed sequences, read in place from the pool by the C++ kernel.
+
+    Sequence b's new tokens are `q[query_start_loc[b] : query_start_loc[b] + query_lens[b]]`
+    (vLLM's packed layout); each attends to its sequence's cached tokens, listed as blocks in the
+    flat block list of `paged_attention_xla_flat`, and to its own new tokens up to itself.
 
     Args:
-      q: f32[B, Q, N, H] queries (not pre-scaled).
-      kv_cache: f32[L, 2, K, P, S, H] the whole pool; `layer` picks the layer read. Passing the
-        whole pool (not a slice) lets XLA hand the custom call the buffer without a copy.
-      layer: i32[] layer index.
-      context_blocks, context_rows, context_lens: i32[NB] the flat block list of
-        `paged_attention_xla_flat` (rows non-decreasing, padding entries last with row B).
-      query_lens: i32[B] new tokens per row; slots past it are not computed.
+      q: f32[T, N, H] queries (not pre-scaled).
+      k_new, v_new: f32[T, K, H] the new tokens' keys and values.
+      kv_cache: f32[L, 2, K, P, S, H] the whole pool, read at `layer` (i32[]). Passing the whole
+        pool, not a slice, lets XLA hand the custom call its buffer without a copy.
+      query_start_loc: i32[B + 1] first token of each sequence (non-decreasing, <= T).
+      query_lens: i32[B] new tokens per sequence (0 for a padding sequence).
+      context_blocks, context_rows, context_lens: i32[NB] the sequences' cached blocks (rows
+        non-decreasing; padding entries last, with row B and 0 tokens).
       scale: softmax scale.
 
     Returns:
-      (out f32[B, Q, N, H], lse f32[B, Q, N]): softmax-weighted values over the cached tokens and
-      the log-sum-exp of the scaled scores; out = 0 and lse = -1e30 for a row without cached
-      tokens and for padding slots.
+      f32[T, N, H], equal to `paged_attention_xla_flat` on the same tokens up to float rounding;
+      0 for tokens of no sequence.
 
     Raises:
-      RuntimeError: `available()` is False.
+      RuntimeError: `available()` is False. Inconsistent indices (a block outside the pool,
+        `query_start_loc` past T) fail the call with a `JaxRuntimeError`.
     """
     if not available():
         raise RuntimeError("the CPU attention kernel is not available (see the log)")
-    B, Q, N, H = q.shape
-    call = jax.ffi.ffi_call(_TARGET, (jax.ShapeDtypeStruct((B, Q, N, H), jnp.float32),
-                                      jax.ShapeDtypeStruct((B, Q, N), jnp.float32)))
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return call(q.astype(jnp.float32), kv_cache, i32(layer), i32(context_blocks),
-                i32(context_rows), i32(context_lens), i32(query_lens), scale=np.float32(scale))
-
-
-def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: jax.Array,
-                        layer: jax.Array, context_blocks: jax.Array, context_rows: jax.Array,
-                        context_lens: jax.Array, query_lens: jax.Array, *,
-                        scale: float) -> jax.Array:
-    """`paged_attention_xla_flat` with the cached context read by the C++ kernel.
-
-    The kernel's context part and the new tokens' causal part (a few dense jnp dots) are merged
-    through their log-sum-exps, flash-decoding's combine step.
-
-    Args:
-      q: f32[B, Q, N, H]; k_new, v_new: f32[B, Q, K, H] the new tokens.
-      kv_cache: f32[L, 2, K, P, S, H] the pool, read at `layer` (i32[]).
-      context_blocks, context_rows, context_lens, query_lens, scale: as in
-        `paged_attention_xla_flat`.
-
-    Returns:
-      f32[B, Q, N, H], equal to `paged_attention_xla_flat` up to float rounding. Query slots past
-      `query_lens[b]` hold finite garbage.
-    """
-    B, Q, N, H = q.shape
-    K = k_new.shape[2]
-    G = N // K
-    out_ctx, lse_ctx = paged_attention_cpu_context(
-        q, kv_cache, layer, context_blocks, context_rows, context_lens, query_lens, scale=scale)
-
-    qg = q.reshape(B, Q, K, G, H)
-    s_new = jnp.einsum("BQKGH,BJKH->BQKGJ", qg, k_new, preferred_element_type=jnp.float32)
-    s_new = jnp.where(_new_token_mask(Q, query_lens)[:, :, None, None], s_new * scale,
-                      _MASK_VALUE)
-    m_new = s_new.max(-1)  # [B, Q, K, G]
-    p_new = jnp.exp(s_new - m_new[..., None])
-    out_new = jnp.einsum("BQKGJ,BJKH->BQKGH", p_new.astype(q.dtype), v_new,
-                         preferred_element_type=jnp.float32)
-
-    lse_ctx = lse_ctx.reshape(B, Q, K, G)
-    m = jnp.maximum(lse_ctx, m_new)
-    w_ctx, w_new = jnp.exp(lse_ctx - m), jnp.exp(m_new - m)  # out_ctx is already normalized
-    denom = w_ctx + w_new * p_new.sum(-1)
-    out = (out_ctx.reshape(B, Q, K, G, H) * w_ctx[..., None] + out_new * w_new[..., None])
-    return (out / denom[..., None]).reshape(B, Q, N, H).astype(q.dtype)
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    return call(f32(q), f32(k_new), f32(v_new), kv_cache, i32(layer), i32(query_start_loc),
+                i32(query_lens), i32(context_blocks), i32(context_rows), i32(context_lens),
+                scale=np.float32(scale))

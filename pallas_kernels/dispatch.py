@@ -49,7 +49,7 @@ def resolve_attention_backend(name: str) -> str:
 
 
 def attention(backend: str, q, k, v, kv_layer, slot_mapping, block_tables, num_computed_tokens,
-              query_lens, *, scale: float, context=None):
+              query_lens, *, scale: float, context=None, query_start_loc=None):
     """One layer's paged attention over a padded step batch.
 
     Args:
@@ -63,18 +63,28 @@ def attention(backend: str, q, k, v, kv_layer, slot_mapping, block_tables, num_c
       context: for "xla" and "cpu" only (required by "cpu"), None or (context_blocks, context_rows, context_lens), i32[NB]
         each: the rows' cached blocks as one flat list (`paged_attention_xla_flat`), used
         instead of `block_tables`.
+      query_start_loc: for "cpu" only, None or i32[S + 1]: the batch is one packed row (B = 1,
+        Q = T tokens) of S sequences, sequence s's tokens starting at `query_start_loc[s]`;
+        `num_computed_tokens`, `query_lens` and the context rows are then per sequence.
 
     Returns:
       (out f[B, Q, N, H], update): for "xla" and "cpu" the update is (k, v), to be written for all layers
       with `write_kv` after the forward pass; for the Pallas backends it is `kv_layer` with the
       new K/V already written.
     """
+    B, Q, N, H = q.shape
     if backend == "cpu":
         kv_cache, layer = kv_layer
         if kv_cache.dtype == jnp.float32:
-            out = cpu_attention.paged_attention_cpu(q, k, v, kv_cache, layer, *context,
-                                                    query_lens, scale=scale)
-            return out, (k, v)
+            if query_start_loc is None:  # padded rows: row b's tokens start at b * Q
+                query_start_loc = jnp.arange(B + 1, dtype=jnp.int32) * Q
+            out = cpu_attention.paged_attention_cpu(
+                q.reshape(B * Q, N, H), k.reshape(B * Q, *k.shape[2:]),
+                v.reshape(B * Q, *v.shape[2:]), kv_cache, layer, query_start_loc, query_lens,
+                *context, scale=scale)
+            return out.reshape(B, Q, N, H).astype(q.dtype), (k, v)
+        if query_start_loc is not None:
+            raise ValueError("packed sequences (query_start_loc) need a float32 KV pool")
         backend, kv_layer = "xla", kv_cache[layer]  # the kernel is float32 only
     if backend == "xla" and context is not None:
         out = paged_attention_xla_flat(q, k, v, kv_layer[0], kv_layer[1], *context,
@@ -84,7 +94,6 @@ def attention(backend: str, q, k, v, kv_layer, slot_mapping, block_tables, num_c
         out = paged_attention_xla(q, k, v, kv_layer[0], kv_layer[1], block_tables,
                                   num_computed_tokens, query_lens, scale=scale)
         return out, (k, v)
-    B, Q, N, H = q.shape
     interpret = backend == "pallas-interpret"
     kv_layer = write_kv(kv_layer[None], k.reshape(1, B * Q, *k.shape[2:]),
                         v.reshape(1, B * Q, *v.shape[2:]), slot_mapping.reshape(B * Q))[0]

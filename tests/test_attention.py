@@ -106,10 +106,20 @@ def flat_attention(impl, q, k_new, v_new, k_pages, v_pages, blocks, rows, lens, 
                                         ql, scale=scale)
     if not cpu_attention.available():
         pytest.skip("no C++ compiler")
+    B, Q, N, H = q.shape
+    flat = lambda x: x.reshape(B * Q, *x.shape[2:])
+    out = cpu_kernel(flat(q), flat(k_new), flat(v_new), k_pages, v_pages,
+                     np.arange(B + 1, dtype=np.int32) * Q, ql, blocks, rows, lens, scale)
+    return np.asarray(out).reshape(B, Q, N, H)
+
+
+def cpu_kernel(q, k_new, v_new, k_pages, v_pages, query_start_loc, ql, blocks, rows, lens,
+               scale):
     layer = np.stack([k_pages, v_pages])
-    kv_cache = np.stack([np.full_like(layer, 1e4), layer])
+    kv_cache = np.stack([np.full_like(layer, 1e4), layer])  # layer 0 is poison
     return jax.jit(cpu_attention.paged_attention_cpu, static_argnames="scale")(
-        q, k_new, v_new, kv_cache, np.int32(1), blocks, rows, lens, ql, scale=scale)
+        q, k_new, v_new, kv_cache, np.int32(1), query_start_loc, ql, blocks, rows, lens,
+        scale=scale)
 
 
 @pytest.mark.parametrize("impl", ["xla", "cpu"])
@@ -150,6 +160,38 @@ def test_flat_padding_rows_and_rows_without_context(impl):
     for b, (k_all, v_all) in enumerate(dense):
         want = dense_attention(q[b, :ql[b]], k_all, v_all, 0.25)
         np.testing.assert_allclose(out[b, :ql[b]], want, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_kernel_packed_sequences_equal_dense():
+    # Sequences of different lengths packed on one token axis (gaps of padding tokens between
+    # them): decodes, a fresh prompt and chunks continuing a cached prefix, in one call.
+    if not cpu_attention.available():
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(11)
+    context_lens, query_lens = [30, 1, 40, 17, 70], [1, 1, 40, 5, 37]
+    q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense = build_case(
+        rng, context_lens, query_lens, 8)
+    owned = np.zeros(k_pages.shape[1:3], bool)
+    for b, c in enumerate(nc):
+        for pos in range(c):
+            owned[bt[b, pos // 8], pos % 8] = True
+    k_pages[:, ~owned], v_pages[:, ~owned] = 1e4, 1e4
+    gaps = [0, 2, 0, 3, 1]
+    starts = np.cumsum([0] + [g + n for g, n in zip(gaps, query_lens)])[:-1] + gaps
+    T = int(starts[-1] + query_lens[-1] + 2)
+    qp, kp, vp = (np.full((T, *x.shape[2:]), 1e4, np.float32) for x in (q, k_new, v_new))
+    for b, (st, n) in enumerate(zip(starts, query_lens)):
+        qp[st:st + n], kp[st:st + n], vp[st:st + n] = q[b, :n], k_new[b, :n], v_new[b, :n]
+    qsl = np.append(starts, T).astype(np.int32)
+    blocks, rows, lens = flat_blocks(bt, nc, 8, num_padding=4)
+    out = np.asarray(cpu_kernel(qp, kp, vp, k_pages, v_pages, qsl, ql, blocks, rows, lens, 0.25))
+    real = np.zeros(T, bool)
+    for b, (k_all, v_all) in enumerate(dense):
+        st, n = starts[b], query_lens[b]
+        real[st:st + n] = True
+        want = dense_attention(q[b, :n], k_all, v_all, 0.25)
+        np.testing.assert_allclose(out[st:st + n], want, rtol=1e-5, atol=1e-5)
+    assert (out[~real] == 0).all()
 
 
 def test_cpu_kernel_rejects_a_block_outside_the_pool():
