@@ -1,11 +1,13 @@
 """The model runner: owns params and the KV pool, turns a scheduled step into device arrays.
 
-The host builds NumPy arrays padded to buckets (rows B and cached blocks in steps of 1.5x, new
-tokens per row Q in powers of two; see `bucket`), so the number of distinct shapes, and thus of
-compilations, stays bounded. On the XLA path the cached blocks go as one flat list of NB entries
-(`pallas_kernels.paged_attention_xla_flat`); the Pallas kernels take M block-table columns. One
-jitted step `(params, kv_cache, ModelInput) -> (logits, kv_cache)` runs with the pool donated,
-then the jitted sampler; only the sampled token ids come back to the host.
+The host builds NumPy arrays padded to buckets (steps of 1.5x; see `bucket`), so the number of
+distinct shapes, and thus of compilations, stays bounded. With the "cpu" attention backend a
+step's decodes and prompt chunks go packed as one row of T tokens (`prepare_packed`, vLLM's
+flattened batch); otherwise decodes run as `[B, 1]` and prompt chunks as `[B, Q]` batches, Q a
+power of two (`prepare_input`). On the XLA and "cpu" paths the cached blocks go as one flat list
+of NB entries (`pallas_kernels.paged_attention_xla_flat`); the Pallas kernels take M block-table
+columns. One jitted step `(params, kv_cache, ModelInput) -> (logits, kv_cache)` runs with the
+pool donated, then the jitted sampler; only the sampled token ids come back to the host.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def num_kv_blocks(config: LlamaConfig, cache_config: CacheConfig, dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, num_blocks: int,
-                 dtype, eos_token_ids: set[int] = frozenset()):
+                 dtype, eos_token_ids: set[int] = frozenset(), max_num_seqs: int = 256):
         self.config = model.config
         self.eos_token_ids = eos_token_ids
         self.block_size = cache_config.block_size
@@ -91,6 +93,10 @@ class ModelRunner:
         # rows' blocks (no padding to the longest row). The Pallas kernels take padded block
         # tables, and read the new tokens from the pool too, so their tables must cover them.
         self.flat_context = model.attention_backend in ("xla", "cpu")
+        # The C++ kernel also takes packed sequences: a step's decodes and prompt chunks go as
+        # one row of T tokens (`query_start_loc`), padded only at the end (`prepare_packed`).
+        self.packed = model.attention_backend == "cpu" and jnp.dtype(dtype) == jnp.float32
+        self.max_num_seqs = max_num_seqs
         graphdef, self.params = nnx.split(model)
         self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
         self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
@@ -106,9 +112,10 @@ class ModelRunner:
                       max_model_len: int) -> list[tuple[int, int, int]]:
         """Every (B, Q, C) a step can be padded to under these limits: decodes `[B, 1]` and
         prompt chunks `[B, Q]` whose fewest tokens (the longest Q/2 + 1, the others 1 each) fit
-        the token budget. C counts cached blocks: on the XLA path the flat list's length NB
-        (`bucket` sizes up to what B rows or the pool hold), else block-table columns M (0 or
-        powers of two up to `max_model_len`)."""
+        the token budget; packed steps (the "cpu" backend) are `(1, T, C)` for every T up to
+        the budget. C counts cached blocks: on the XLA and "cpu" paths the flat list's length
+        NB (`bucket` sizes up to what the rows or the pool hold), else block-table columns M (0
+        or powers of two up to `max_model_len`)."""
         max_blocks = -(-max_model_len // self.block_size)
         Bs = buckets_upto(max_num_seqs)
         Qs = pow2s(MIN_PREFILL_BUCKET, max(MIN_PREFILL_BUCKET, next_power_of_2(
@@ -123,6 +130,9 @@ class ModelRunner:
             longest = Q // 2 + 1 if Q > MIN_PREFILL_BUCKET else 1
             return longest + bucket(B - 1) <= max_num_batched_tokens
 
+        if self.packed:  # (1, T, C): T tokens of up to `_num_seqs_bucket(T)` sequences
+            Ts = buckets_upto(min(max_num_batched_tokens, max_num_seqs * max_model_len))
+            return [(1, T, C) for T in Ts for C in contexts(self._num_seqs_bucket(T))]
         decodes = [(B, 1, C) for B in Bs if bucket(B - 1) + 1 <= max_num_batched_tokens
                    for C in contexts(B) if C > 0]
         prefills = [(B, Q, C) for B in Bs for Q in Qs if fits(B, Q) for C in contexts(B)]
@@ -132,6 +142,10 @@ class ModelRunner:
         """Compiles the model step for each (B, Q, C) of `bucket_shapes`, on padding-only
         inputs (nothing is written to the pool), so that serving compiles nothing new."""
         for B, Q, C in tqdm(shapes, desc="Compiling step shapes", disable=not progress):
+            if self.packed:
+                batch = self.prepare_packed([], [], T=Q, NB=C)
+                _, self.kv_cache = self._step(self.params, self.kv_cache, batch)
+                continue
             zeros = np.zeros((B, Q), np.int32)
             flat = self.flat_context
             batch = ModelInput(zeros, zeros, np.full((B, Q), PAD_SLOT_ID, np.int32),
@@ -155,12 +169,20 @@ class ModelRunner:
         if out.blocks_to_copy:
             self._apply_copies(out.blocks_to_copy)
         logits_parts, logits_row, prompt_lps = [], {}, {}
-        for rows, is_prefill in self._batches(out):
+        batches = self._batches(out)
+        if self.packed and not any(  # prompt logprobs need logits per row: padded batches
+                self._wants_prompt_logprobs(out.seqs[r]) for rows, p in batches if p
+                for r in rows):
+            batch = self.prepare_packed(out.seqs, out.num_scheduled_tokens)
+            logits, self.kv_cache = self._step(self.params, self.kv_cache, batch)
+            logits_parts.append(logits)
+            logits_row.update({row: row for row in range(len(out.seqs))})
+            batches = []
+        for rows, is_prefill in batches:
             seqs = [out.seqs[r] for r in rows]
             qs = [out.num_scheduled_tokens[r] for r in rows]
             batch = self.prepare_input(seqs, qs, is_prefill)
-            want = [i for i, s in enumerate(seqs) if is_prefill and s.num_computed_tokens == 0
-                    and s.params.prompt_logprobs is not None and s.num_output_tokens == 0]
+            want = [i for i, s in enumerate(seqs) if is_prefill and self._wants_prompt_logprobs(s)]
             logits, self.kv_cache = self._step(self.params, self.kv_cache, batch,
                                                all_positions=bool(want))
             if want:
@@ -206,6 +228,13 @@ class ModelRunner:
                 by_bucket.setdefault(max(MIN_PREFILL_BUCKET, next_power_of_2(q)), []).append(row)
         batches = [(decodes, False)] if decodes else []
         return batches + [(rows, True) for _, rows in sorted(by_bucket.items())]
+
+    @staticmethod
+    def _wants_prompt_logprobs(seq: Sequence) -> bool:
+        """Whether this step computes the start of a prompt whose request asked for prompt
+        logprobs (only a prompt's first chunk, never chunked, gets them)."""
+        return (seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is not None
+                and seq.num_output_tokens == 0)
 
     @staticmethod
     def _collect_prompt_logprobs(seqs, qs, rows: list[int], plp) -> dict:
@@ -261,12 +290,50 @@ class ModelRunner:
         return ModelInput(input_ids, positions, slot_mapping, block_tables, num_computed,
                           query_lens, *context)
 
-    def _flat_context(self, seqs: list, num_blocks: list[int], B: int
+    def _num_seqs_bucket(self, T: int) -> int:
+        """Sequence slots of a packed step of T tokens: its logits rows. Tied to T, so packed
+        shapes vary in T (and cached blocks) only."""
+        return min(T, bucket(self.max_num_seqs))
+
+    def prepare_packed(self, seqs: list, num_new_tokens: list[int], T: int | None = None,
+                       NB: int | None = None) -> ModelInput:
+        """The step's sequences packed on one token axis, `[1, T]` with T = `bucket` of their
+        tokens, decodes and prompt chunks alike (vLLM's flattened batch): sequence i's tokens
+        start at `query_start_loc[i]`; only the tail past the last one is padding. The
+        per-sequence arrays have `_num_seqs_bucket(T)` entries, the flat block list `bucket`
+        of the cached blocks (T and NB may be given, for precompilation of padding-only
+        steps)."""
+        S = self.block_size
+        total = sum(num_new_tokens)
+        T = bucket(total) if T is None else T
+        num_seqs = self._num_seqs_bucket(T)
+        input_ids = np.zeros((1, T), np.int32)
+        positions = np.zeros((1, T), np.int32)
+        slot_mapping = np.full((1, T), PAD_SLOT_ID, np.int32)
+        num_computed = np.zeros((num_seqs,), np.int32)
+        query_lens = np.zeros((num_seqs,), np.int32)
+        query_start_loc = np.full((num_seqs + 1,), total, np.int32)
+        start = 0
+        for i, (seq, q) in enumerate(zip(seqs, num_new_tokens)):
+            first = seq.num_computed_tokens
+            pos = np.arange(first, first + q)
+            table = np.asarray(seq.block_table, np.int32)
+            input_ids[0, start:start + q] = seq.token_ids[first:first + q]
+            positions[0, start:start + q] = pos
+            slot_mapping[0, start:start + q] = table[pos // S] * S + pos % S
+            num_computed[i], query_lens[i], query_start_loc[i] = first, q, start
+            start += q
+        num_blocks = [-(-s.num_computed_tokens // S) for s in seqs]
+        context = self._flat_context(seqs, num_blocks, num_seqs, NB)
+        return ModelInput(input_ids, positions, slot_mapping, np.zeros((num_seqs, 0), np.int32),
+                          num_computed, query_lens, *context, query_start_loc=query_start_loc)
+
+    def _flat_context(self, seqs: list, num_blocks: list[int], B: int, NB: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(context_blocks, context_rows, context_lens), i32[bucket(NB)] each: the rows' cached
         blocks one after another, then padding entries (block 0, row B, 0 tokens)."""
         S = self.block_size
-        blocks, rows, lens = _padding_context(bucket(sum(num_blocks)), B)
+        blocks, rows, lens = _padding_context(bucket(sum(num_blocks)) if NB is None else NB, B)
         start = 0
         for row, (seq, n) in enumerate(zip(seqs, num_blocks)):
             end = start + n

@@ -44,6 +44,9 @@ class ModelInput:
     context_blocks: jax.Array | None = None  # i32[NB] every row's cached blocks, row by row
     context_rows: jax.Array | None = None  # i32[NB] row of each (B for padding entries)
     context_lens: jax.Array | None = None  # i32[NB] cached tokens in each (0 for padding)
+    # Packed layout (the "cpu" backend): i32[S + 1] first token of each of S sequences in the
+    # one row of T tokens (B = 1, Q = T); the per-row arrays above are then per sequence.
+    query_start_loc: jax.Array | None = None
 
 
 class RMSNorm(nnx.Module):
@@ -94,7 +97,8 @@ class LlamaAttention(nnx.Module):
                    (batch.context_blocks, batch.context_rows, batch.context_lens))
         out, kv_update = pallas_kernels.attention(
             self.attention_backend, q, k, v, kv_layer, batch.slot_mapping, batch.block_tables,
-            batch.num_computed_tokens, batch.query_lens, scale=H ** -0.5, context=context)
+            batch.num_computed_tokens, batch.query_lens, scale=H ** -0.5, context=context,
+            query_start_loc=batch.query_start_loc)
         return self.o_proj(out.reshape(B, Q, N * H)), kv_update
 
 
@@ -161,8 +165,9 @@ class LlamaForCausalLM(nnx.Module):
           all_positions: static; return logits at every new token (prompt logprobs).
 
         Returns:
-          (logits, kv_cache): f32[B, V] next-token logits at each row's last new token (or
-          f32[B, Q, V] at every new token), and the pool with the new tokens' K/V written.
+          (logits, kv_cache): f32[B, V] next-token logits at each row's last new token (packed:
+          f32[S, V] at each sequence's last token; or f32[B, Q, V] at every new token), and the
+          pool with the new tokens' K/V written.
         """
         B, Q = batch.input_ids.shape
         x = self.embed_tokens(batch.input_ids)  # [B, Q, D]
@@ -190,6 +195,10 @@ class LlamaForCausalLM(nnx.Module):
 
         if all_positions:
             return self.compute_logits(self.norm(x)), kv_cache
+        if batch.query_start_loc is not None:  # packed: each sequence's last token
+            last = batch.query_start_loc[:-1] + jnp.maximum(batch.query_lens - 1, 0)
+            x = self.norm(x.reshape(B * Q, -1)[jnp.minimum(last, B * Q - 1)])  # [S, D]
+            return self.compute_logits(x), kv_cache
         last = jnp.maximum(batch.query_lens - 1, 0)
         x = self.norm(x[jnp.arange(B), last])  # [B, D]
         return self.compute_logits(x), kv_cache
@@ -221,6 +230,7 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_cache: jax.Array,
       all_positions: static; logits at every new token, f32[B, Q, V].
 
     Returns:
-      (f32[B, V] logits at each row's last new token, updated kv_cache).
+      (f32[B, V] logits at each row's last new token (f32[S, V] per sequence when packed),
+      updated kv_cache).
     """
     return nnx.merge(graphdef, params)(kv_cache, batch, all_positions)
