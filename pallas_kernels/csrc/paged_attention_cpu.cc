@@ -75,13 +75,6 @@ struct Task {
   int64_t b, k, i0, i1;  // sequence, kv head, new tokens [i0, i1) of the sequence
 };
 
-inline float Dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
 // Online-softmax state of one query vector.
 struct Row {
   const float* q;  // [H], pre-scaled
@@ -89,35 +82,68 @@ struct Row {
   float m, l;      // running max and sum
 };
 
-// Adds keys/values t = 0..n-1 (rows `stride` floats apart) to one query's state.
-inline void Update(Row& r, const float* kb, const float* vb, int64_t stride, int64_t n,
-                   int64_t H, float* s) {
-  float tile_max = kMaskValue;
+// Adds keys/values t = 0..n-1 (rows `stride` floats apart) to NR query rows at once, so each
+// key and value row is loaded once for all of them. s: NR score rows, `ld` floats apart.
+template <int NR>
+inline void UpdateGroup(Row* r, const float* kb, const float* vb, int64_t stride, int64_t n,
+                        int64_t H, float* s, int64_t ld) {
+  const float* q0 = r[0].q;
+  const float* q1 = r[NR > 1 ? 1 : 0].q;
+  const float* q2 = r[NR > 2 ? 2 : 0].q;
+  const float* q3 = r[NR > 3 ? 3 : 0].q;
   for (int64_t t = 0; t < n; ++t) {
-    s[t] = Dot(r.q, kb + t * stride, H);
-    tile_max = std::max(tile_max, s[t]);
+    const float* kt = kb + t * stride;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t h = 0; h < H; ++h) {
+      const float k = kt[h];
+      a0 += q0[h] * k;
+      if constexpr (NR > 1) a1 += q1[h] * k;
+      if constexpr (NR > 2) a2 += q2[h] * k;
+      if constexpr (NR > 3) a3 += q3[h] * k;
+    }
+    s[t] = a0;
+    if constexpr (NR > 1) s[ld + t] = a1;
+    if constexpr (NR > 2) s[2 * ld + t] = a2;
+    if constexpr (NR > 3) s[3 * ld + t] = a3;
   }
-  if (tile_max > r.m) {  // rescale what was accumulated against the old max
-    const float c = std::exp(r.m - tile_max);
-    r.l *= c;
+  for (int j = 0; j < NR; ++j) {
+    Row& row = r[j];
+    float* p = s + j * ld;
+    float tile_max = kMaskValue;
+    for (int64_t t = 0; t < n; ++t) tile_max = std::max(tile_max, p[t]);
+    if (tile_max > row.m) {  // rescale what was accumulated against the old max
+      const float c = std::exp(row.m - tile_max);
+      row.l *= c;
 #pragma omp simd
-    for (int64_t h = 0; h < H; ++h) r.acc[h] *= c;
-    r.m = tile_max;
-  }
-  const float m = r.m;
-  float sum = 0.f;
+      for (int64_t h = 0; h < H; ++h) row.acc[h] *= c;
+      row.m = tile_max;
+    }
+    const float m = row.m;
+    float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = std::exp(s[t] - m);
-    sum += s[t];
-  }
-  r.l += sum;
-  for (int64_t t = 0; t < n; ++t) {
-    const float p = s[t];
-    const float* vt = vb + t * stride;
+    for (int64_t t = 0; t < n; ++t) {
+      p[t] = std::exp(p[t] - m);
+      sum += p[t];
+    }
+    row.l += sum;
+    float* acc = row.acc;
+    for (int64_t t = 0; t < n; ++t) {
+      const float pt = p[t];
+      const float* vt = vb + t * stride;
 #pragma omp simd
-    for (int64_t h = 0; h < H; ++h) r.acc[h] += p * vt[h];
+      for (int64_t h = 0; h < H; ++h) acc[h] += pt * vt[h];
+    }
   }
+}
+
+// `UpdateGroup` over any number of rows, four at a time.
+inline void Update(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t stride,
+                   int64_t n, int64_t H, float* s, int64_t ld) {
+  for (; num_rows >= 4; r += 4, num_rows -= 4) UpdateGroup<4>(r, kb, vb, stride, n, H, s, ld);
+  if (num_rows == 3) UpdateGroup<3>(r, kb, vb, stride, n, H, s, ld);
+  if (num_rows == 2) UpdateGroup<2>(r, kb, vb, stride, n, H, s, ld);
+  if (num_rows == 1) UpdateGroup<1>(r, kb, vb, stride, n, H, s, ld);
 }
 
 void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
@@ -127,7 +153,8 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
   const int64_t first = a.query_start_loc[task.b];  // token index of the sequence's new token 0
   const int64_t R = (task.i1 - task.i0) * G;        // query vectors: r = (i - i0) * G + g
 
-  scratch.assign(2 * R * H + std::max(d.S, kTile), 0.f);
+  const int64_t ld = std::max(d.S, kTile);  // score row stride
+  scratch.assign(2 * R * H + 4 * ld, 0.f);
   float* qs = scratch.data();
   float* s = qs + 2 * R * H;
   rows.resize(R);
@@ -145,7 +172,7 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
     if (n == 0) continue;
     const float* kb = a.k_pages + (k * d.P + a.blocks[e]) * d.S * H;
     const float* vb = a.v_pages + (k * d.P + a.blocks[e]) * d.S * H;
-    for (Row& r : rows) Update(r, kb, vb, H, n, H, s);
+    Update(rows.data(), R, kb, vb, H, n, H, s, ld);
   }
 
   // The new tokens, causal: new token i sees new tokens 0..i.
@@ -154,7 +181,7 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
     const float* vb = a.v_new + ((first + j0) * K + k) * H;
     for (int64_t i = std::max(task.i0, j0); i < task.i1; ++i) {
       const int64_t n = std::min(kTile, i + 1 - j0);
-      for (int64_t g = 0; g < G; ++g) Update(rows[(i - task.i0) * G + g], kb, vb, K * H, n, H, s);
+      Update(&rows[(i - task.i0) * G], G, kb, vb, K * H, n, H, s, ld);  // token i's G heads
     }
   }
 
