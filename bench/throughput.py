@@ -92,7 +92,8 @@ def run_jaxpaged(requests, args, enable_prefix_caching: bool = True) -> dict:
         llm.reset_prefix_cache()
     compiles = llm.stats()["num_compilations"]
     result = run_jaxpaged_timed(llm, prompts, params, requests)
-    result.update(cold_elapsed_s=cold, num_compilations_warmup=compiles,
+    result.update(attention_backend=llm.llm_engine.attention_backend,
+                  cold_elapsed_s=cold, num_compilations_warmup=compiles,
                   num_compilations_timed=llm.stats()["num_compilations"] - compiles)
     return result
 
