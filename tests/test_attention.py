@@ -76,6 +76,15 @@ def test_paged_equals_dense(block_size, mode):
         np.testing.assert_allclose(out[b, :ql[b]], want, rtol=1e-5, atol=1e-5)
 
 
+def poison_unowned(k_pages, v_pages, block_tables, num_computed, block_size):
+    """Sets every pool slot no row owns to 1e4, in place: reading one would show in the output."""
+    owned = np.zeros(k_pages.shape[1:3], bool)
+    for b, c in enumerate(num_computed):
+        for pos in range(c):
+            owned[block_tables[b, pos // block_size], pos % block_size] = True
+    k_pages[:, ~owned], v_pages[:, ~owned] = 1e4, 1e4
+
+
 def flat_blocks(block_tables, num_computed, block_size, num_padding):
     """The rows' cached blocks as one list (block, row, tokens), then `num_padding` padding
     entries (a valid block id, row B, 0 tokens)."""
@@ -130,12 +139,7 @@ def test_flat_block_list_equals_dense(mode, impl):
     query_lens = {"decode": [1] * 6, "prefill": context_lens, "chunk": [1, 7, 9, 1, 33, 2]}[mode]
     q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense = build_case(
         rng, context_lens, query_lens, 8)
-    # Poison every pool slot no row owns: reading one would show in the output.
-    owned = np.zeros(k_pages.shape[1:3], bool)
-    for b, c in enumerate(nc):
-        for pos in range(c):
-            owned[bt[b, pos // 8], pos % 8] = True
-    k_pages[:, ~owned], v_pages[:, ~owned] = 1e4, 1e4
+    poison_unowned(k_pages, v_pages, bt, nc, 8)
     blocks, rows, lens = flat_blocks(bt, nc, 8, num_padding=5)
     out = np.asarray(flat_attention(impl, q, k_new, v_new, k_pages, v_pages, blocks, rows, lens,
                                     ql, 0.25))
@@ -171,11 +175,7 @@ def test_cpu_kernel_packed_sequences_equal_dense():
     context_lens, query_lens = [30, 1, 40, 17, 70], [1, 1, 40, 5, 37]
     q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense = build_case(
         rng, context_lens, query_lens, 8)
-    owned = np.zeros(k_pages.shape[1:3], bool)
-    for b, c in enumerate(nc):
-        for pos in range(c):
-            owned[bt[b, pos // 8], pos % 8] = True
-    k_pages[:, ~owned], v_pages[:, ~owned] = 1e4, 1e4
+    poison_unowned(k_pages, v_pages, bt, nc, 8)
     gaps = [0, 2, 0, 3, 1]
     starts = np.cumsum([0] + [g + n for g, n in zip(gaps, query_lens)])[:-1] + gaps
     T = int(starts[-1] + query_lens[-1] + 2)
