@@ -156,8 +156,10 @@ class ModelRunner:
         jax.block_until_ready(self.kv_cache)
 
     def execute(self, out: SchedulerOutput) -> tuple[list[list[SampledToken]], dict]:
-        """Runs one scheduled step: its decodes as one `[B, 1]` batch, its prompt chunks as
-        `[B, Q]` batches by padded length (see `_batches`), then one sampler call over all.
+        """Runs one scheduled step: with the "cpu" backend all its sequences packed in one call
+        (`prepare_packed`), unless a row wants prompt logprobs; otherwise its decodes as one
+        `[B, 1]` batch and its prompt chunks as `[B, Q]` batches by padded length (see
+        `_batches`). Then one sampler call over all.
 
         Returns:
           (each row's sampled tokens, {row: prompt logprobs} for rows whose request asked for
@@ -182,7 +184,8 @@ class ModelRunner:
             seqs = [out.seqs[r] for r in rows]
             qs = [out.num_scheduled_tokens[r] for r in rows]
             batch = self.prepare_input(seqs, qs, is_prefill)
-            want = [i for i, s in enumerate(seqs) if is_prefill and self._wants_prompt_logprobs(s)]
+            want = [i for i, s in enumerate(seqs)
+                    if is_prefill and self._wants_prompt_logprobs(s)]
             logits, self.kv_cache = self._step(self.params, self.kv_cache, batch,
                                                all_positions=bool(want))
             if want:

@@ -3,10 +3,10 @@
 `csrc/paged_attention_cpu.cc` reads each sequence's cached blocks in place in the pool, where
 the pure-jnp `paged_attention_xla_flat` first gathers them into a new buffer and then runs
 thousands of tiny dots; it also takes packed sequences of any lengths (`query_start_loc`), so a
-step need not pad its prompt chunks to a common length. It is compiled with the system C++ compiler on first use (a few seconds), cached
-under `$JAXPAGED_HOME/kernels/` keyed by source, jaxlib version and CPU, and registered with
-`jax.ffi`. Where no compiler is found, `available()` is False and the "auto" backend falls back
-to "xla".
+step need not pad its prompt chunks to a common length. It is compiled with the system C++
+compiler on first use (a few seconds), cached under `$JAXPAGED_HOME/kernels/` keyed by source,
+jaxlib version, CPU and compiler command, and registered with `jax.ffi`. Where no compiler is
+found, `available()` is False and the "auto" backend falls back to "xla".
 """
 
 from __future__ import annotations

@@ -60,17 +60,17 @@ def attention(backend: str, q, k, v, kv_layer, slot_mapping, block_tables, num_c
       slot_mapping: i32[B, Q]; block_tables: i32[B, M]; num_computed_tokens, query_lens: i32[B]
         (see `models.llama.ModelInput`). For the Pallas backends the block tables must cover
         the new tokens too.
-      context: for "xla" and "cpu" only (required by "cpu"), None or (context_blocks, context_rows, context_lens), i32[NB]
-        each: the rows' cached blocks as one flat list (`paged_attention_xla_flat`), used
-        instead of `block_tables`.
+      context: for "xla" and "cpu" only (required by "cpu"), None or (context_blocks,
+        context_rows, context_lens), i32[NB] each: the rows' cached blocks as one flat list
+        (`paged_attention_xla_flat`), used instead of `block_tables`.
       query_start_loc: for "cpu" only, None or i32[S + 1]: the batch is one packed row (B = 1,
         Q = T tokens) of S sequences, sequence s's tokens starting at `query_start_loc[s]`;
         `num_computed_tokens`, `query_lens` and the context rows are then per sequence.
 
     Returns:
-      (out f[B, Q, N, H], update): for "xla" and "cpu" the update is (k, v), to be written for all layers
-      with `write_kv` after the forward pass; for the Pallas backends it is `kv_layer` with the
-      new K/V already written.
+      (out f[B, Q, N, H], update): for "xla" and "cpu" the update is (k, v), to be written for
+      all layers with `write_kv` after the forward pass; for the Pallas backends it is
+      `kv_layer` with the new K/V already written.
     """
     B, Q, N, H = q.shape
     if backend == "cpu":
