@@ -172,9 +172,8 @@ class ModelRunner:
             self._apply_copies(out.blocks_to_copy)
         logits_parts, logits_row, prompt_lps = [], {}, {}
         batches = self._batches(out)
-        if self.packed and not any(  # prompt logprobs need logits per row: padded batches
-                self._wants_prompt_logprobs(out.seqs[r]) for rows, p in batches if p
-                for r in rows):
+        # Prompt logprobs need logits at every position of a row: such steps stay padded.
+        if self.packed and not any(self._wants_prompt_logprobs(s) for s in out.seqs):
             batch = self.prepare_packed(out.seqs, out.num_scheduled_tokens)
             logits, self.kv_cache = self._step(self.params, self.kv_cache, batch)
             logits_parts.append(logits)
@@ -279,19 +278,24 @@ class ModelRunner:
         num_computed = np.zeros((B,), np.int32)
         query_lens = np.zeros((B,), np.int32)
         for row, (seq, q) in enumerate(zip(seqs, num_new_tokens)):
-            start = seq.num_computed_tokens
-            pos = np.arange(start, start + q)
-            table = np.asarray(seq.block_table, np.int32)
-            input_ids[row, :q] = seq.token_ids[start:start + q]
-            positions[row, :q] = pos
-            slot_mapping[row, :q] = table[pos // S] * S + pos % S
+            input_ids[row, :q], positions[row, :q], slot_mapping[row, :q] = (
+                self._new_tokens(seq, q))
             if M:
-                block_tables[row, :num_blocks[row]] = table[:num_blocks[row]]
-            num_computed[row] = start
+                block_tables[row, :num_blocks[row]] = seq.block_table[:num_blocks[row]]
+            num_computed[row] = seq.num_computed_tokens
             query_lens[row] = q
         context = self._flat_context(seqs, num_blocks, B) if self.flat_context else ()
         return ModelInput(input_ids, positions, slot_mapping, block_tables, num_computed,
                           query_lens, *context)
+
+    def _new_tokens(self, seq: Sequence, q: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """The next q tokens of `seq` to compute: (token ids, positions i32[q], flat pool slots
+        i32[q], `block * block_size + offset`)."""
+        S = self.block_size
+        first = seq.num_computed_tokens
+        pos = np.arange(first, first + q)
+        table = np.asarray(seq.block_table, np.int32)
+        return seq.token_ids[first:first + q], pos, table[pos // S] * S + pos % S
 
     def _num_seqs_bucket(self, T: int) -> int:
         """Sequence slots of a packed step of T tokens: its logits rows. Tied to T, so packed
@@ -318,13 +322,10 @@ class ModelRunner:
         query_start_loc = np.full((num_seqs + 1,), total, np.int32)
         start = 0
         for i, (seq, q) in enumerate(zip(seqs, num_new_tokens)):
-            first = seq.num_computed_tokens
-            pos = np.arange(first, first + q)
-            table = np.asarray(seq.block_table, np.int32)
-            input_ids[0, start:start + q] = seq.token_ids[first:first + q]
-            positions[0, start:start + q] = pos
-            slot_mapping[0, start:start + q] = table[pos // S] * S + pos % S
-            num_computed[i], query_lens[i], query_start_loc[i] = first, q, start
+            tokens = slice(start, start + q)
+            input_ids[0, tokens], positions[0, tokens], slot_mapping[0, tokens] = (
+                self._new_tokens(seq, q))
+            num_computed[i], query_lens[i], query_start_loc[i] = seq.num_computed_tokens, q, start
             start += q
         num_blocks = [-(-s.num_computed_tokens // S) for s in seqs]
         context = self._flat_context(seqs, num_blocks, num_seqs, NB)

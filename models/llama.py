@@ -195,12 +195,11 @@ class LlamaForCausalLM(nnx.Module):
 
         if all_positions:
             return self.compute_logits(self.norm(x)), kv_cache
-        if batch.query_start_loc is not None:  # packed: each sequence's last token
-            last = batch.query_start_loc[:-1] + jnp.maximum(batch.query_lens - 1, 0)
-            x = self.norm(x.reshape(B * Q, -1)[jnp.minimum(last, B * Q - 1)])  # [S, D]
-            return self.compute_logits(x), kv_cache
-        last = jnp.maximum(batch.query_lens - 1, 0)
-        x = self.norm(x[jnp.arange(B), last])  # [B, D]
+        # Each row's (packed: each sequence's) last new token; padded rows start at b * Q.
+        starts = (jnp.arange(B) * Q if batch.query_start_loc is None
+                  else batch.query_start_loc[:-1])
+        last = jnp.minimum(starts + jnp.maximum(batch.query_lens - 1, 0), B * Q - 1)
+        x = self.norm(x.reshape(B * Q, -1)[last])  # [B or S, D]
         return self.compute_logits(x), kv_cache
 
     def compute_logits(self, x: jax.Array) -> jax.Array:

@@ -36,7 +36,9 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("JAXPAGED_HOME", "~/.cache/jaxpaged")).expanduser() / "kernels"
+    from jaxpaged.model_store import jaxpaged_home  # not at top: model_store imports the model
+
+    return jaxpaged_home() / "kernels"
 
 
 def _cpu_id() -> str:
