@@ -2,12 +2,14 @@
 
 Matches `transformers.models.llama.modeling_llama.LlamaForCausalLM`: pre-norm decoder layers with
 RMSNorm, rotary position embeddings (rotate-half convention), grouped-query attention and a SwiGLU
-MLP; tied or untied output embeddings. Layers are stacked (leading axis L) and run with
-`jax.lax.scan`, so compile time does not grow with depth.
+MLP; tied or untied output embeddings. The layers are separate modules (`layers[i]`, HF's tree)
+run by a Python loop, so each layer's matmuls read its weights where they lie. (A `lax.scan`
+over stacked weights compiles faster, but on CPU XLA copies each layer's weight slice before
+its matmuls: a quarter of a decode step's time.)
 
 The forward pass reads cached K/V from the pool through block tables, attends over the cached and
-new tokens, and writes the new tokens' K/V for all layers in one scatter at the end
-(`pallas_kernels.write_kv`).
+new tokens, and, except for the Pallas backends, writes the new tokens' K/V for all layers in
+one scatter at the end (`pallas_kernels.write_kv`).
 """
 
 from __future__ import annotations
@@ -85,9 +87,8 @@ class LlamaAttention(nnx.Module):
         self.v_proj = _linear(D, K * H, dtype, rngs)
         self.o_proj = _linear(N * H, D, dtype, rngs)
 
-    def __call__(self, x, cos, sin, kv_layer, batch: ModelInput):
-        # x: [B, Q, D]; kv_layer: [2, K, P, S, H] this layer's pool, or for the "cpu" backend
-        # (kv_cache, layer): the whole pool and this layer's index.
+    def __call__(self, x, cos, sin, kv_cache, layer: int, batch: ModelInput):
+        # x: [B, Q, D]; kv_cache: [L, 2, K, P, S, H] the whole pool, this layer's at `layer`.
         B, Q, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
         q = apply_rope(self.q_proj(x).reshape(B, Q, N, H), cos, sin)
@@ -95,11 +96,11 @@ class LlamaAttention(nnx.Module):
         v = self.v_proj(x).reshape(B, Q, K, H)
         context = (None if batch.context_blocks is None else
                    (batch.context_blocks, batch.context_rows, batch.context_lens))
-        out, kv_update = pallas_kernels.attention(
-            self.attention_backend, q, k, v, kv_layer, batch.slot_mapping, batch.block_tables,
-            batch.num_computed_tokens, batch.query_lens, scale=H ** -0.5, context=context,
-            query_start_loc=batch.query_start_loc)
-        return self.o_proj(out.reshape(B, Q, N * H)), kv_update
+        out, kv_cache, new_kv = pallas_kernels.attention(
+            self.attention_backend, q, k, v, kv_cache, layer, batch.slot_mapping,
+            batch.block_tables, batch.num_computed_tokens, batch.query_lens, scale=H ** -0.5,
+            context=context, query_start_loc=batch.query_start_loc)
+        return self.o_proj(out.reshape(B, Q, N * H)), kv_cache, new_kv
 
 
 class LlamaMLP(nnx.Module):
@@ -122,19 +123,19 @@ class LlamaDecoderLayer(nnx.Module):
                                                 dtype=dtype)
         self.mlp = LlamaMLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, kv_layer, batch: ModelInput):
-        attn, kv_update = self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, batch)
+    def __call__(self, x, cos, sin, kv_cache, layer: int, batch: ModelInput):
+        attn, kv_cache, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache,
+                                                layer, batch)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv_update
+        return x, kv_cache, new_kv
 
 
 class LlamaForCausalLM(nnx.Module):
     """The model; `__call__(kv_cache, batch) -> (logits, kv_cache)` is one engine step.
 
-    Parameters follow HF's module tree with the layer index moved into a leading axis:
-    `layers.self_attn.q_proj.kernel: f[L, D, N*H]` holds HF's
-    `model.layers.{i}.self_attn.q_proj.weight` transposed (see `models.loader`).
+    Parameters follow HF's module tree: `layers.{i}.self_attn.q_proj.kernel: f[D, N*H]` holds
+    HF's `model.layers.{i}.self_attn.q_proj.weight` transposed (see `models.loader`).
     """
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, attention_backend: str = "xla",
@@ -143,14 +144,10 @@ class LlamaForCausalLM(nnx.Module):
         self.attention_backend = pallas_kernels.resolve_attention_backend(attention_backend)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
-
-        @nnx.split_rngs(splits=config.num_hidden_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_layers(rngs):
-            return LlamaDecoderLayer(config, dtype=dtype,
-                                     attention_backend=self.attention_backend, rngs=rngs)
-
-        self.layers = make_layers(rngs)
+        self.layers = nnx.List([
+            LlamaDecoderLayer(config, dtype=dtype, attention_backend=self.attention_backend,
+                              rngs=rngs)
+            for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.lm_head = (None if config.tie_word_embeddings
                         else _linear(config.hidden_size, config.vocab_size, dtype, rngs))
@@ -171,27 +168,20 @@ class LlamaForCausalLM(nnx.Module):
         """
         B, Q = batch.input_ids.shape
         x = self.embed_tokens(batch.input_ids)  # [B, Q, D]
-        cos, sin = rope_cos_sin(batch.positions, self.config.rope_inv_freq())
+        # Computed once: without the barrier XLA fuses cos/sin into every layer's RoPE and
+        # evaluates them again for each head.
+        cos, sin = jax.lax.optimization_barrier(
+            rope_cos_sin(batch.positions, self.config.rope_inv_freq()))
 
-        layer_def, layer_state = nnx.split(self.layers)
-
-        def layer_step(x, per_layer):
-            state, kv_layer = per_layer  # kv_layer: [2, K, P, S, H], or i32[] for "cpu"
-            if self.attention_backend == "cpu":  # the kernel reads the whole pool in place
-                kv_layer = (kv_cache, kv_layer)
-            return nnx.merge(layer_def, state)(x, cos, sin, kv_layer, batch)
-
-        per_layer_kv = (jnp.arange(kv_cache.shape[0]) if self.attention_backend == "cpu"
-                        else kv_cache)
-        x, kv_update = jax.lax.scan(layer_step, x, (layer_state, per_layer_kv))
-        if self.attention_backend in ("xla", "cpu"):  # new K/V of every layer: [L, B, Q, K, H]
-            k, v = kv_update
-            L = k.shape[0]
-            kv_cache = pallas_kernels.write_kv(
-                kv_cache, k.reshape(L, B * Q, *k.shape[3:]), v.reshape(L, B * Q, *v.shape[3:]),
-                batch.slot_mapping.reshape(B * Q))
-        else:  # each layer already wrote its slice of the pool
-            kv_cache = kv_update
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            x, kv_cache, new_kv = layer(x, cos, sin, kv_cache, i, batch)
+            if new_kv is not None:  # else the layer already wrote its K/V (Pallas)
+                new_k.append(new_kv[0].reshape(B * Q, *new_kv[0].shape[2:]))
+                new_v.append(new_kv[1].reshape(B * Q, *new_kv[1].shape[2:]))
+        if new_k:  # every layer's new K/V, f[L, B * Q, K, H], in one scatter
+            kv_cache = pallas_kernels.write_kv(kv_cache, jnp.stack(new_k), jnp.stack(new_v),
+                                               batch.slot_mapping.reshape(B * Q))
 
         if all_positions:
             return self.compute_logits(self.norm(x)), kv_cache

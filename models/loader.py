@@ -2,8 +2,8 @@
 
 Each entry maps a HF parameter name (with `{i}` standing for the layer index) to the path of our
 parameter and says whether the matrix is transposed (HF `nn.Linear.weight` is `[out, in]`, NNX
-`Linear.kernel` is `[in, out]`). Per-layer tensors are stacked on a leading layer axis. Loading
-fails if a checkpoint key is left unused, a parameter is left unfilled, or a shape differs.
+`Linear.kernel` is `[in, out]`). Loading fails if a checkpoint key is left unused, a parameter is
+left unfilled, or a shape differs.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ LLAMA_NAME_MAP: tuple[tuple[str, str, bool], ...] = (
     ("model.embed_tokens.weight", "embed_tokens.embedding", False),
     ("model.norm.weight", "norm.weight", False),
     ("lm_head.weight", "lm_head.kernel", True),
-    ("model.layers.{i}.input_layernorm.weight", "layers.input_layernorm.weight", False),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight", False),
     ("model.layers.{i}.post_attention_layernorm.weight",
-     "layers.post_attention_layernorm.weight", False),
-    ("model.layers.{i}.self_attn.q_proj.weight", "layers.self_attn.q_proj.kernel", True),
-    ("model.layers.{i}.self_attn.k_proj.weight", "layers.self_attn.k_proj.kernel", True),
-    ("model.layers.{i}.self_attn.v_proj.weight", "layers.self_attn.v_proj.kernel", True),
-    ("model.layers.{i}.self_attn.o_proj.weight", "layers.self_attn.o_proj.kernel", True),
-    ("model.layers.{i}.mlp.gate_proj.weight", "layers.mlp.gate_proj.kernel", True),
-    ("model.layers.{i}.mlp.up_proj.weight", "layers.mlp.up_proj.kernel", True),
-    ("model.layers.{i}.mlp.down_proj.weight", "layers.mlp.down_proj.kernel", True),
+     "layers.{i}.post_attention_layernorm.weight", False),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.self_attn.q_proj.kernel", True),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.k_proj.kernel", True),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.self_attn.v_proj.kernel", True),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.self_attn.o_proj.kernel", True),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj.kernel", True),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj.kernel", True),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.kernel", True),
 )
 # Keys some checkpoints carry that the model does not use (precomputed RoPE buffers).
 IGNORED_KEYS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
@@ -80,7 +80,6 @@ def load_llama(model_dir: str | Path, config: LlamaConfig, dtype,
     paths = _param_paths(abstract_state)
     expected = dict(zip(paths, jax.tree_util.tree_leaves(abstract_state)))
 
-    per_layer: dict[str, dict[int, np.ndarray]] = {}
     found: dict[str, np.ndarray] = {}
     unused = []
     patterns = _compile(LLAMA_NAME_MAP)
@@ -93,25 +92,16 @@ def load_llama(model_dir: str | Path, config: LlamaConfig, dtype,
             if not any(p.fullmatch(key) for p in IGNORED_KEYS):
                 unused.append(key)
             continue
-        if ours not in expected:  # e.g. lm_head.weight saved beside tied embeddings
+        ours = ours.format(i=int(m.group(1))) if m.groups() else ours
+        if ours not in expected:  # a layer past the config's, or lm_head beside tied embeddings
             if ours == "lm_head.kernel" and config.tie_word_embeddings:
                 continue
             unused.append(key)
             continue
-        tensor = tensor.T if transpose else tensor
-        if m.groups():
-            per_layer.setdefault(ours, {})[int(m.group(1))] = tensor
-        else:
-            found[ours] = tensor
+        found[ours] = tensor.T if transpose else tensor
     if unused:
         raise ValueError(f"checkpoint keys not used by the model: {unused[:8]}"
                          f"{' ...' if len(unused) > 8 else ''}")
-
-    for ours, layers in per_layer.items():
-        missing = set(range(config.num_hidden_layers)) - set(layers)
-        if missing or len(layers) != config.num_hidden_layers:
-            raise ValueError(f"{ours}: layers {sorted(missing)} missing or extra in checkpoint")
-        found[ours] = np.stack([layers[i] for i in range(config.num_hidden_layers)])
 
     leaves = []
     for path in paths:

@@ -117,8 +117,11 @@ def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cac
       scale: softmax scale.
 
     Returns:
-      f32[T, N, H], equal to `paged_attention_xla_flat` on the same tokens up to float rounding;
-      0 for tokens of no sequence.
+      (out, kv_cache): out f32[T, N, H], equal to `paged_attention_xla_flat` on the same tokens
+      up to float rounding, 0 for tokens of no sequence; and the pool, unchanged, aliased to
+      the input buffer. Threading the pool through each layer's call makes the calls one chain
+      of uses of its buffer, so XLA can order them before the step's K/V write without
+      copying the pool.
 
     Raises:
       RuntimeError: `available()` is False. Inconsistent indices (a block outside the pool,
@@ -126,7 +129,10 @@ def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cac
     """
     if not available():
         raise RuntimeError("the CPU attention kernel is not available (see the log)")
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(
+        _TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                  jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
+        input_output_aliases={3: 1})
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     return call(f32(q), f32(k_new), f32(v_new), kv_cache, i32(layer), i32(query_start_loc),

@@ -48,15 +48,16 @@ def resolve_attention_backend(name: str) -> str:
     return name
 
 
-def attention(backend: str, q, k, v, kv_layer, slot_mapping, block_tables, num_computed_tokens,
-              query_lens, *, scale: float, context=None, query_start_loc=None):
-    """One layer's paged attention over a padded step batch.
+def attention(backend: str, q, k, v, kv_cache, layer: int, slot_mapping, block_tables,
+              num_computed_tokens, query_lens, *, scale: float, context=None,
+              query_start_loc=None):
+    """One layer's paged attention over a step batch.
 
     Args:
       backend: a resolved backend ("cpu", "xla", "pallas" or "pallas-interpret").
       q: f[B, Q, N, H]; k, v: f[B, Q, K, H] the new tokens' projections (RoPE applied).
-      kv_layer: f[2, K, P, S, H] this layer's pool; for "cpu" the pair (kv_cache
-        f[L, 2, K, P, S, H], layer i32[]), the whole pool and this layer's index.
+      kv_cache: f[L, 2, K, P, S, H] the whole pool; `layer` (a Python int) is this layer's
+        index in it.
       slot_mapping: i32[B, Q]; block_tables: i32[B, M]; num_computed_tokens, query_lens: i32[B]
         (see `models.llama.ModelInput`). For the Pallas backends the block tables must cover
         the new tokens too.
@@ -68,44 +69,47 @@ def attention(backend: str, q, k, v, kv_layer, slot_mapping, block_tables, num_c
         `num_computed_tokens`, `query_lens` and the context rows are then per sequence.
 
     Returns:
-      (out f[B, Q, N, H], update): for "xla" and "cpu" the update is (k, v), to be written for
-      all layers with `write_kv` after the forward pass; for the Pallas backends it is
-      `kv_layer` with the new K/V already written.
+      (out f[B, Q, N, H], kv_cache, new_kv). For "xla" and "cpu", new_kv is (k, v), to be
+      written for all layers with `write_kv` after the forward pass, and kv_cache is the pool
+      as given (through the C++ kernel, which hands it back aliased). For the Pallas backends
+      new_kv is None: the layer's new K/V are already written into the returned pool.
     """
     B, Q, N, H = q.shape
     if backend == "cpu":
-        kv_cache, layer = kv_layer
         if kv_cache.dtype == jnp.float32:
             if query_start_loc is None:  # padded rows: row b's tokens start at b * Q
                 query_start_loc = jnp.arange(B + 1, dtype=jnp.int32) * Q
-            out = cpu_attention.paged_attention_cpu(
+            out, kv_cache = cpu_attention.paged_attention_cpu(
                 q.reshape(B * Q, N, H), k.reshape(B * Q, *k.shape[2:]),
                 v.reshape(B * Q, *v.shape[2:]), kv_cache, layer, query_start_loc, query_lens,
                 *context, scale=scale)
-            return out.reshape(B, Q, N, H).astype(q.dtype), (k, v)
+            return out.reshape(B, Q, N, H).astype(q.dtype), kv_cache, (k, v)
         if query_start_loc is not None:
             raise ValueError("packed sequences (query_start_loc) need a float32 KV pool")
-        backend, kv_layer = "xla", kv_cache[layer]  # the kernel is float32 only
-    if backend == "xla" and context is not None:
-        out = paged_attention_xla_flat(q, k, v, kv_layer[0], kv_layer[1], *context,
-                                       query_lens, scale=scale)
-        return out, (k, v)
+        backend = "xla"  # the kernel is float32 only
     if backend == "xla":
-        out = paged_attention_xla(q, k, v, kv_layer[0], kv_layer[1], block_tables,
-                                  num_computed_tokens, query_lens, scale=scale)
-        return out, (k, v)
+        k_pages, v_pages = kv_cache[layer, 0], kv_cache[layer, 1]
+        if context is not None:
+            out = paged_attention_xla_flat(q, k, v, k_pages, v_pages, *context, query_lens,
+                                           scale=scale)
+        else:
+            out = paged_attention_xla(q, k, v, k_pages, v_pages, block_tables,
+                                      num_computed_tokens, query_lens, scale=scale)
+        return out, kv_cache, (k, v)
     interpret = backend == "pallas-interpret"
-    kv_layer = write_kv(kv_layer[None], k.reshape(1, B * Q, *k.shape[2:]),
-                        v.reshape(1, B * Q, *v.shape[2:]), slot_mapping.reshape(B * Q))[0]
+    kv_cache = write_kv(kv_cache, k.reshape(1, B * Q, *k.shape[2:]),
+                        v.reshape(1, B * Q, *v.shape[2:]), slot_mapping.reshape(B * Q),
+                        layer=layer)
+    k_pages, v_pages = kv_cache[layer, 0], kv_cache[layer, 1]
     # Each row owns Q query slots; padding slots sit after its real tokens, so the real ones keep
     # their positions and never see the padding (causal mask).
     context_lens = num_computed_tokens + Q
     if Q == 1:
-        out = paged_attention(q[:, 0], kv_layer[0], kv_layer[1], block_tables, context_lens,
+        out = paged_attention(q[:, 0], k_pages, v_pages, block_tables, context_lens,
                               scale=scale, interpret=interpret)[:, None]
     else:
         cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32) * Q
-        out = ragged_paged_attention(q.reshape(B * Q, N, H), kv_layer[0], kv_layer[1],
-                                     block_tables, context_lens, cu_q_lens, B, scale=scale,
-                                     max_q_len=Q, interpret=interpret).reshape(B, Q, N, H)
-    return out, kv_layer
+        out = ragged_paged_attention(q.reshape(B * Q, N, H), k_pages, v_pages, block_tables,
+                                     context_lens, cu_q_lens, B, scale=scale, max_q_len=Q,
+                                     interpret=interpret).reshape(B, Q, N, H)
+    return out, kv_cache, None

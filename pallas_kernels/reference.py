@@ -159,16 +159,17 @@ def copy_blocks(kv_cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Arra
     return kv_cache.at[:, :, :, dst].set(kv_cache[:, :, :, src])
 
 
-def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> jax.Array:
-    """Scatters the new tokens' K/V of every layer into the pool in one update.
+def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+             layer: int | None = None) -> jax.Array:
+    """Scatters the new tokens' K/V into the pool: every layer's in one update, or one layer's.
 
     Args:
       kv_cache: f[L, 2, K, P, S, H] the pool; donate it to the enclosing jit so the update is
         in place.
-      k, v: f[L, T, K, H] new keys and values.
+      k, v: f[L, T, K, H] new keys and values of every layer, or f[1, T, K, H] of `layer`.
       slot_mapping: i32[T] flat slot (`block * S + offset`) of each token; `PAD_SLOT_ID` (-1)
         for padding tokens, which are dropped.
+      layer: None (all layers), or the one layer (a Python int) that k and v belong to.
 
     Returns:
       The updated pool, same shape and dtype.
@@ -176,6 +177,7 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
     L, _, K, P, S, H = kv_cache.shape
     slots = jnp.where(slot_mapping < 0, P * S, slot_mapping)  # out of range -> dropped
     new = jnp.stack([k, v], axis=1).transpose(0, 1, 3, 2, 4).astype(kv_cache.dtype)  # [L,2,K,T,H]
+    layers = slice(None) if layer is None else slice(layer, layer + 1)
     flat = kv_cache.reshape(L, 2, K, P * S, H)
-    flat = flat.at[:, :, :, slots].set(new, mode="drop")
+    flat = flat.at[layers, :, :, slots].set(new, mode="drop")
     return flat.reshape(kv_cache.shape)

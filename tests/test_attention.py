@@ -126,9 +126,11 @@ def cpu_kernel(q, k_new, v_new, k_pages, v_pages, query_start_loc, ql, blocks, r
                scale):
     layer = np.stack([k_pages, v_pages])
     kv_cache = np.stack([np.full_like(layer, 1e4), layer])  # layer 0 is poison
-    return jax.jit(cpu_attention.paged_attention_cpu, static_argnames="scale")(
+    out, pool = jax.jit(cpu_attention.paged_attention_cpu, static_argnames="scale")(
         q, k_new, v_new, kv_cache, np.int32(1), query_start_loc, ql, blocks, rows, lens,
         scale=scale)
+    np.testing.assert_array_equal(pool, kv_cache)  # the aliased pool comes back untouched
+    return out
 
 
 @pytest.mark.parametrize("impl", ["xla", "cpu"])

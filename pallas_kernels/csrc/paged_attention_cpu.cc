@@ -223,7 +223,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::S32> context_blocks,
                               ffi::Buffer<ffi::S32> context_rows,
                               ffi::Buffer<ffi::S32> context_lens, float scale,
-                              ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<ffi::F32> kv_cache_out) {
   auto qd = q.dimensions();
   auto kd = k_new.dimensions();
   auto cd = kv_cache.dimensions();
@@ -258,6 +259,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   for (int64_t e = 0; e < d.NB; ++e)
     if (rows[e] >= 0 && rows[e] < B && (blocks[e] < 0 || blocks[e] >= d.P))
       return ffi::Error::InvalidArgument("context block id out of range");
+
+  // The pool comes back as a second result aliased to the input (input_output_aliases), so
+  // that the layers' calls form one chain of uses of the pool buffer and XLA never copies it
+  // to order them against the step's final K/V write. Nothing is written to it here.
+  if (kv_cache_out->untyped_data() != kv_cache.untyped_data())
+    std::copy_n(kv_cache.typed_data(), kv_cache.element_count(), kv_cache_out->typed_data());
 
   const int64_t layer_size = 2 * d.K * d.P * d.S * d.H;
   const float* pool_layer = kv_cache.typed_data() + l_idx * layer_size;
@@ -295,4 +302,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // context_lens
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // kv_cache, aliased
 );
