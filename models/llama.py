@@ -3,9 +3,9 @@
 Matches `transformers.models.llama.modeling_llama.LlamaForCausalLM`: pre-norm decoder layers with
 RMSNorm, rotary position embeddings (rotate-half convention), grouped-query attention and a SwiGLU
 MLP; tied or untied output embeddings. The layers are separate modules (`layers[i]`, HF's tree)
-run by a Python loop, so each layer's matmuls read its weights where they lie. (A `lax.scan`
-over stacked weights compiles faster, but on CPU XLA copies each layer's weight slice before
-its matmuls: a quarter of a decode step's time.)
+run by a Python loop, so each layer's matmuls read its weights where they lie. A `lax.scan` over
+stacked weights compiles in less time (XLA compiles each layer here), but on CPU XLA copies each
+layer's weight slice before its matmuls, which cost about 7% of a 32-sequence decode step.
 
 The forward pass reads cached K/V from the pool through block tables, attends over the cached and
 new tokens, and, except for the Pallas backends, writes the new tokens' K/V for all layers in

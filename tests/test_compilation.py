@@ -1,6 +1,11 @@
 """Bucketed shapes: after `precompile`, serving a mixed workload compiles no new model step
 (counted through the jitted step's cache, not timed)."""
 
+import re
+
+import jax
+import pytest
+
 from jaxpaged import SamplingParams
 
 
@@ -23,3 +28,26 @@ def test_after_precompile_a_mixed_workload_compiles_no_new_step(make_llm, tiny_m
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert sum(o.num_cached_tokens for o in outputs) > 0  # prefix cache hits happened
     assert llm.stats()["num_compilations"] == len(shapes)
+
+
+
+def test_compiled_step_copies_neither_the_pool_nor_any_weight(make_llm, tiny_model_dir):
+    # The pool is donated and threaded through every layer's attention, and each layer's
+    # matmuls read its own weights in place: a copy of the pool, or a copied slice of a weight
+    # (as a layer scan over stacked weights makes), would cost a pass over that memory on
+    # every step.
+    llm = make_llm(tiny_model_dir, max_model_len=64, num_kv_blocks=64)
+    runner = llm.llm_engine.runner
+    if not runner.packed:
+        pytest.skip("no C++ compiler: the packed 'cpu' step is not used")
+    batch = runner.prepare_packed([], [], T=8, NB=4)
+    hlo = runner._step.lower(runner.params, runner.kv_cache, batch).compile().as_text()
+    weight_shapes = {tuple(w.shape) for w in jax.tree.leaves(runner.params) if w.ndim == 2}
+    moved = []
+    for shape, op in re.findall(r"= f32\[([\d,]+)\]\S* (copy|slice|dynamic-slice)\(", hlo):
+        dims = tuple(int(d) for d in shape.split(","))
+        while len(dims) > 2 and dims[0] == 1:  # a [1, D, F] slice of stacked [L, D, F]
+            dims = dims[1:]
+        if dims == tuple(runner.kv_cache.shape) or dims in weight_shapes:
+            moved.append((op, dims))
+    assert moved == []
