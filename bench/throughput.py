@@ -280,6 +280,7 @@ def main(argv=None) -> dict:
                    help="JSON report; default bench/results/throughput-<dataset>.json")
     args = p.parse_args(argv)
     out = args.out or RESULTS / f"throughput-{args.dataset}.json"
+    run_start = time.perf_counter()
 
     from transformers import AutoTokenizer
 
@@ -315,6 +316,7 @@ def main(argv=None) -> dict:
               for peer in results if peer != mine and not (
                   peer.startswith("jaxpaged") and mine != "jaxpaged")}
     report = {"config": {k: str(v) for k, v in vars(args).items()},
+              "run_wall_s": time.perf_counter() - run_start,  # the whole run, every backend
               "num_requests": len(requests), "num_prompt_tokens": num_in,
               "num_output_tokens": num_out,
               "matmul_peak_flops_per_s": peak,
@@ -366,6 +368,8 @@ def print_table(report: dict) -> None:
                   f"{r['num_cached_tokens']} prompt tokens from the prefix cache")
     for pair, ratio in report["ratios_output_tokens_per_s"].items():
         print(f"{pair}: {ratio:.2f}x output tokens/s")
+    print(f"whole run: {report['run_wall_s'] / 60:.1f} min (every backend, with jaxpaged's "
+          f"untimed first pass)")
 
 
 if __name__ == "__main__":
