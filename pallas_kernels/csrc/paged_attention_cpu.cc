@@ -262,7 +262,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
   // The pool comes back as a second result aliased to the input (input_output_aliases), so
   // that the layers' calls form one chain of uses of the pool buffer and XLA never copies it
-  // to order them against the step's final K/V write. Nothing is written to it here.
+  // to order them against the step's final K/V write. The kernel only reads the pool; the copy
+  // below runs only where XLA gave the result its own buffer.
   if (kv_cache_out->untyped_data() != kv_cache.untyped_data())
     std::copy_n(kv_cache.typed_data(), kv_cache.element_count(), kv_cache_out->typed_data());
 
