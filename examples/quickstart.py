@@ -1,4 +1,5 @@
-"""The vLLM quick start, on jaxpaged: two prompts, nucleus sampling, the embedded default model."""
+"""The vLLM quick start, on jaxpaged: two prompts, nucleus sampling, the embedded default model;
+then one greedy chat turn."""
 
 from jaxpaged import LLM, SamplingParams
 
@@ -15,3 +16,7 @@ for output in outputs:
     print(f"Prompt: {output.prompt!r}")
     print(f"Generated text: {output.outputs[0].text!r}")
     print("-" * 60)
+
+reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                 SamplingParams(temperature=0, max_tokens=32))
+print(f"Chat reply: {reply[0].outputs[0].text!r}")  # 'The capital of France is Paris.'
