@@ -2,17 +2,17 @@
 
 Backends:
   "xla"               pure jnp: `reference.paged_attention_xla_flat` over a flat list of cached
-                      blocks (the engine's CPU path), or `paged_attention_xla` over padded
-                      block tables. Cached K/V come from the pool, new K/V are passed in, and
-                      all layers' new K/V are written after the forward pass in one scatter
-                      (fastest on CPU).
+                      blocks, or `paged_attention_xla` over padded block tables (the engine's
+                      path where no C++ compiler is found). Each layer writes its new K/V into
+                      the pool first; cached K/V are read from the pool, new K/V as passed in.
   "pallas"            the Pallas kernels (Triton on GPU): each layer writes its new K/V into the
                       pool first, then `paged_attention` (decode steps, Q == 1) or
                       `ragged_paged_attention` (any other step) reads everything from the pool.
   "pallas-interpret"  the same kernels under the Pallas interpreter (CPU tests).
   "cpu"               like "xla", but the cached blocks are read in place by a C++ kernel
                       (`cpu_attention.paged_attention_cpu`, an XLA FFI custom call compiled on
-                      first use); float32 pools only, others take the "xla" code.
+                      first use), and all layers' new K/V are written after the forward pass
+                      in one scatter; float32 pools only, others take the "xla" code.
   "auto"              "pallas" on GPU; on CPU "cpu" where the kernel builds, else "xla".
 """
 
@@ -69,10 +69,10 @@ def attention(backend: str, q, k, v, kv_cache, layer: int, slot_mapping, block_t
         `num_computed_tokens`, `query_lens` and the context rows are then per sequence.
 
     Returns:
-      (out f[B, Q, N, H], kv_cache, new_kv). For "xla" and "cpu", new_kv is (k, v), to be
+      (out f[B, Q, N, H], kv_cache, new_kv). For "cpu" (float32), new_kv is (k, v), to be
       written for all layers with `write_kv` after the forward pass, and kv_cache is the pool
-      as given (through the C++ kernel, which hands it back aliased). For the Pallas backends
-      new_kv is None: the layer's new K/V are already written into the returned pool.
+      the C++ kernel hands back aliased. For the other backends new_kv is None: the layer's
+      new K/V are already written into the returned pool.
     """
     B, Q, N, H = q.shape
     if backend == "cpu":
@@ -87,20 +87,22 @@ def attention(backend: str, q, k, v, kv_cache, layer: int, slot_mapping, block_t
         if query_start_loc is not None:
             raise ValueError("packed sequences (query_start_loc) need a float32 KV pool")
         backend = "xla"  # the kernel is float32 only
-    if backend == "xla":
-        k_pages, v_pages = kv_cache[layer, 0], kv_cache[layer, 1]
+    # The other backends write this layer's new K/V first, in place. Each layer's write then
+    # depends (through the hidden state) on the previous layer's reads of the pool, so XLA
+    # orders them without copying the pool; one write after all layers would not be.
+    kv_cache = write_kv(kv_cache, k.reshape(1, B * Q, *k.shape[2:]),
+                        v.reshape(1, B * Q, *v.shape[2:]), slot_mapping.reshape(B * Q),
+                        layer=layer)
+    k_pages, v_pages = kv_cache[layer, 0], kv_cache[layer, 1]
+    if backend == "xla":  # reads the cached tokens from the pool, the new ones from k and v
         if context is not None:
             out = paged_attention_xla_flat(q, k, v, k_pages, v_pages, *context, query_lens,
                                            scale=scale)
         else:
             out = paged_attention_xla(q, k, v, k_pages, v_pages, block_tables,
                                       num_computed_tokens, query_lens, scale=scale)
-        return out, kv_cache, (k, v)
+        return out, kv_cache, None
     interpret = backend == "pallas-interpret"
-    kv_cache = write_kv(kv_cache, k.reshape(1, B * Q, *k.shape[2:]),
-                        v.reshape(1, B * Q, *v.shape[2:]), slot_mapping.reshape(B * Q),
-                        layer=layer)
-    k_pages, v_pages = kv_cache[layer, 0], kv_cache[layer, 1]
     # Each row owns Q query slots; padding slots sit after its real tokens, so the real ones keep
     # their positions and never see the padding (causal mask).
     context_lens = num_computed_tokens + Q
