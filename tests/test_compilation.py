@@ -4,9 +4,12 @@
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams
+from jaxpaged.model_runner import PAD_SLOT_ID, _padding_context
+from jaxpaged.models.llama import ModelInput
 
 
 def test_after_precompile_a_mixed_workload_compiles_no_new_step(make_llm, tiny_model_dir):
@@ -31,16 +34,23 @@ def test_after_precompile_a_mixed_workload_compiles_no_new_step(make_llm, tiny_m
 
 
 
-def test_compiled_step_copies_neither_the_pool_nor_any_weight(make_llm, tiny_model_dir):
+@pytest.mark.parametrize("backend", ["auto", "xla"])
+def test_compiled_step_copies_neither_the_pool_nor_any_weight(make_llm, tiny_model_dir, backend):
     # The pool is donated and threaded through every layer's attention, and each layer's
     # matmuls read its own weights in place: a copy of the pool, or a copied slice of a weight
     # (as a layer scan over stacked weights makes), would cost a pass over that memory on
     # every step.
-    llm = make_llm(tiny_model_dir, max_model_len=64, num_kv_blocks=64)
+    llm = make_llm(tiny_model_dir, max_model_len=64, num_kv_blocks=64, attention_backend=backend)
     runner = llm.llm_engine.runner
-    if not runner.packed:
-        pytest.skip("no C++ compiler: the packed 'cpu' step is not used")
-    batch = runner.prepare_packed([], [], T=8, NB=4)
+    if backend == "auto" and not runner.packed:
+        pytest.skip("no C++ compiler: 'auto' is the 'xla' case")
+    if runner.packed:
+        batch = runner.prepare_packed([], [], T=8, NB=4)
+    else:  # two padding decode rows, four padding context entries
+        zeros = np.zeros((2, 1), np.int32)
+        batch = ModelInput(zeros, zeros, np.full((2, 1), PAD_SLOT_ID, np.int32),
+                           np.zeros((2, 0), np.int32), np.zeros(2, np.int32),
+                           np.zeros(2, np.int32), *_padding_context(4, 2))
     hlo = runner._step.lower(runner.params, runner.kv_cache, batch).compile().as_text()
     L, _, K, P, S, H = runner.kv_cache.shape
     pools = {(L, 2, K, P, S, H), (L, 2, K, P * S, H)}
