@@ -173,13 +173,10 @@ def prompt_logprobs(logits: jax.Array, input_ids: jax.Array, query_lens: jax.Arr
       (last f32[B, V] logits at each row's last token, target logprobs f32[B, Q], their ranks
       i32[B, Q], top ids i32[B, Q, k] or None, top logprobs f32[B, Q, k] or None).
     """
-    B = logits.shape[0]
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    B, Q, V = logits.shape
     target = jnp.concatenate([input_ids[:, 1:], jnp.zeros_like(input_ids[:, :1])], axis=1)
-    target_lp = jnp.take_along_axis(logprobs, target[..., None], axis=-1)[..., 0]
-    ranks = 1 + jnp.sum(logprobs > target_lp[..., None], axis=-1).astype(jnp.int32)
-    top_lp = top_ids = None
-    if num_logprobs:
-        top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    stats = _logprob_stats(logits.reshape(B * Q, V), target.reshape(B * Q), num_logprobs)
+    target_lp, ranks, top_ids, top_lp = [
+        None if a is None else a.reshape(B, Q, *a.shape[1:]) for a in stats]
     last = logits[jnp.arange(B), jnp.maximum(query_lens - 1, 0)]
     return last, target_lp, ranks, top_ids, top_lp

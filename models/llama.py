@@ -8,8 +8,9 @@ stacked weights compiles in less time (XLA compiles each layer here), but on CPU
 layer's weight slice before its matmuls, which cost about 7% of a 32-sequence decode step.
 
 The forward pass reads cached K/V from the pool through block tables, attends over the cached and
-new tokens, and, except for the Pallas backends, writes the new tokens' K/V for all layers in
-one scatter at the end (`pallas_kernels.write_kv`).
+new tokens. With the C++ "cpu" kernel the new tokens' K/V of all layers are written in one
+scatter at the end (`pallas_kernels.write_kv`); the "xla" and Pallas backends write each layer's
+before reading the pool (see `pallas_kernels.attention`).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ class LlamaForCausalLM(nnx.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             x, kv_cache, new_kv = layer(x, cos, sin, kv_cache, i, batch)
-            if new_kv is not None:  # else the layer already wrote its K/V (Pallas)
+            if new_kv is not None:  # else the layer already wrote its K/V (xla, Pallas)
                 new_k.append(new_kv[0].reshape(B * Q, *new_kv[0].shape[2:]))
                 new_v.append(new_kv[1].reshape(B * Q, *new_kv[1].shape[2:]))
         if new_k:  # every layer's new K/V, f[L, B * Q, K, H], in one scatter
