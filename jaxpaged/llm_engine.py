@@ -112,7 +112,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         model = load_llama(model_dir, self.model_config, self.dtype, self.attention_backend)
         self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
-                                  self.eos_token_ids, self.scheduler_config.max_num_seqs)
+                                  self.eos_token_ids, self.scheduler_config.max_num_seqs,
+                                  self.scheduler_config.max_model_len)
         if precompile:
             sc = self.scheduler_config
             self.runner.precompile(self.runner.bucket_shapes(

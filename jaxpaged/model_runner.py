@@ -85,7 +85,8 @@ def num_kv_blocks(config: LlamaConfig, cache_config: CacheConfig, dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, num_blocks: int,
-                 dtype, eos_token_ids: set[int] = frozenset(), max_num_seqs: int = 256):
+                 dtype, eos_token_ids: set[int] = frozenset(), max_num_seqs: int = 256,
+                 max_model_len: int | None = None):
         self.config = model.config
         self.eos_token_ids = eos_token_ids
         self.block_size = cache_config.block_size
@@ -97,6 +98,8 @@ class ModelRunner:
         # one row of T tokens (`query_start_loc`), padded only at the end (`prepare_packed`).
         self.packed = model.attention_backend == "cpu" and jnp.dtype(dtype) == jnp.float32
         self.max_num_seqs = max_num_seqs
+        max_model_len = max_model_len or self.config.max_position_embeddings
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         graphdef, self.params = nnx.split(model)
         self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
         self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
@@ -113,9 +116,10 @@ class ModelRunner:
         """Every (B, Q, C) a step can be padded to under these limits: decodes `[B, 1]` and
         prompt chunks `[B, Q]` whose fewest tokens (the longest Q/2 + 1, the others 1 each) fit
         the token budget; packed steps (the "cpu" backend) are `(1, T, C)` for every T up to
-        the budget. C counts cached blocks: on the XLA and "cpu" paths the flat list's length
-        NB (`bucket` sizes up to what the rows or the pool hold), else block-table columns M (0
-        or powers of two up to `max_model_len`)."""
+        the budget, each with one flat-list length NB (`_num_context_entries`). Otherwise C
+        counts cached blocks: on the XLA path the flat list's length NB (`bucket` sizes up to
+        what the rows or the pool hold), else block-table columns M (0 or powers of two up to
+        `max_model_len`)."""
         max_blocks = -(-max_model_len // self.block_size)
         Bs = buckets_upto(max_num_seqs)
         Qs = pow2s(MIN_PREFILL_BUCKET, max(MIN_PREFILL_BUCKET, next_power_of_2(
@@ -130,9 +134,9 @@ class ModelRunner:
             longest = Q // 2 + 1 if Q > MIN_PREFILL_BUCKET else 1
             return longest + bucket(B - 1) <= max_num_batched_tokens
 
-        if self.packed:  # (1, T, C): T tokens of up to `_num_seqs_bucket(T)` sequences
+        if self.packed:  # (1, T, NB): T tokens of up to `_num_seqs_bucket(T)` sequences
             Ts = buckets_upto(min(max_num_batched_tokens, max_num_seqs * max_model_len))
-            return [(1, T, C) for T in Ts for C in contexts(self._num_seqs_bucket(T))]
+            return [(1, T, self._num_context_entries(T)) for T in Ts]
         decodes = [(B, 1, C) for B in Bs if bucket(B - 1) + 1 <= max_num_batched_tokens
                    for C in contexts(B) if C > 0]
         prefills = [(B, Q, C) for B in Bs for Q in Qs if fits(B, Q) for C in contexts(B)]
@@ -299,16 +303,25 @@ class ModelRunner:
 
     def _num_seqs_bucket(self, T: int) -> int:
         """Sequence slots of a packed step of T tokens: its logits rows. Tied to T, so packed
-        shapes vary in T (and cached blocks) only."""
+        shapes vary in T only."""
         return min(T, bucket(self.max_num_seqs))
+
+    def _num_context_entries(self, T: int, num_blocks: int = 0) -> int:
+        """Entries of a packed step's flat context list: as many cached blocks as its
+        sequences can hold (`max_blocks_per_seq` each) or the pool holds, whichever is fewer,
+        so that a packed step's shape depends on T alone. The kernel skips padding entries at
+        the cost of reading their row ids. Only shared blocks (forks, prefix hits) can take a
+        step's list past the pool's size; such a step goes to a larger `bucket`."""
+        fixed = min(self._num_seqs_bucket(T) * self.max_blocks_per_seq, self.kv_cache.shape[3])
+        return fixed if num_blocks <= fixed else bucket(num_blocks)
 
     def prepare_packed(self, seqs: list, num_new_tokens: list[int], T: int | None = None,
                        NB: int | None = None) -> ModelInput:
         """The step's sequences packed on one token axis, `[1, T]` with T = `bucket` of their
         tokens, decodes and prompt chunks alike (vLLM's flattened batch): sequence i's tokens
         start at `query_start_loc[i]`; only the tail past the last one is padding. The
-        per-sequence arrays have `_num_seqs_bucket(T)` entries, the flat block list `bucket`
-        of the cached blocks (T and NB may be given, for precompilation of padding-only
+        per-sequence arrays have `_num_seqs_bucket(T)` entries, the flat block list
+        `_num_context_entries(T)` (T and NB may be given, for precompilation of padding-only
         steps)."""
         S = self.block_size
         total = sum(num_new_tokens)
@@ -328,6 +341,7 @@ class ModelRunner:
             num_computed[i], query_lens[i], query_start_loc[i] = seq.num_computed_tokens, q, start
             start += q
         num_blocks = [-(-s.num_computed_tokens // S) for s in seqs]
+        NB = self._num_context_entries(T, sum(num_blocks)) if NB is None else NB
         context = self._flat_context(seqs, num_blocks, num_seqs, NB)
         return ModelInput(input_ids, positions, slot_mapping, np.zeros((num_seqs, 0), np.int32),
                           num_computed, query_lens, *context, query_start_loc=query_start_loc)
