@@ -24,8 +24,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", default=True,
                    action=argparse.BooleanOptionalAction,
                    help="reuse the KV blocks of common prompt prefixes")
-    g.add_argument("--precompile", action="store_true",
-                   help="compile every padded step shape at startup (slow on CPU)")
+    g.add_argument("--precompile", default=None, action=argparse.BooleanOptionalAction,
+                   help="compile every padded step shape at startup; default: on for `serve` "
+                   "with the 'cpu' attention backend (about 20 shapes), else off")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "cpu", "pallas", "pallas-interpret", "xla"])
     g.add_argument("--seed", type=int, default=0,
@@ -96,7 +97,8 @@ def _build_llm(args: argparse.Namespace):
                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                enable_prefix_caching=args.enable_prefix_caching,
                attention_backend=args.attention_backend, seed=args.seed,
-               precompile=args.precompile)
+               precompile=(args.precompile if args.precompile is not None
+                           else "auto" if args.command == "serve" else False))
 
 
 def _serve(args: argparse.Namespace) -> int:

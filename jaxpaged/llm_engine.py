@@ -90,7 +90,9 @@ class LLMEngine:
     def __init__(self, model_dir: Path, *, dtype: str = "auto", max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  cache_config: CacheConfig = CacheConfig(), attention_backend: str = "auto",
-                 seed: int = 0, precompile: bool = False):
+                 seed: int = 0, precompile: bool | str = False):
+        if precompile not in (True, False, "auto"):
+            raise ValueError(f"precompile must be True, False or 'auto', got {precompile!r}")
         self.attention_backend = resolve_attention_backend(attention_backend)
         self.model_config = LlamaConfig.from_pretrained(model_dir)
         self.dtype = resolve_dtype(dtype)
@@ -114,7 +116,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
                                   self.eos_token_ids, self.scheduler_config.max_num_seqs,
                                   self.scheduler_config.max_model_len)
-        if precompile:
+        if precompile is True or (precompile == "auto" and self.runner.packed):
             sc = self.scheduler_config
             self.runner.precompile(self.runner.bucket_shapes(
                 sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len))

@@ -33,6 +33,25 @@ def test_after_precompile_a_mixed_workload_compiles_no_new_step(make_llm, tiny_m
     assert llm.stats()["num_compilations"] == len(shapes)
 
 
+@pytest.mark.parametrize("backend", ["auto", "xla"])
+def test_precompile_auto_compiles_only_the_packed_shapes(make_llm, tiny_model_dir, backend):
+    llm = make_llm(tiny_model_dir, max_model_len=64, num_kv_blocks=64, max_num_seqs=2,
+                   max_num_batched_tokens=32, precompile="auto", attention_backend=backend)
+    runner, sc = llm.llm_engine.runner, llm.llm_engine.scheduler_config
+    if backend == "auto" and not runner.packed:
+        pytest.skip("no C++ compiler: 'auto' is the 'xla' case")
+    shapes = runner.bucket_shapes(sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len)
+    assert llm.stats()["num_compilations"] == (len(shapes) if runner.packed else 0)
+    if runner.packed:  # one shape per token bucket: the context list's length follows T
+        assert len({T for _, T, _ in shapes}) == len(shapes)
+
+
+def test_precompile_rejects_an_unknown_value(tiny_model_dir):
+    from jaxpaged import LLM
+
+    with pytest.raises(ValueError, match="'always'"):
+        LLM(tiny_model_dir, max_model_len=64, num_kv_blocks=64, precompile="always")
+
 
 @pytest.mark.parametrize("backend", ["auto", "xla"])
 def test_compiled_step_copies_neither_the_pool_nor_any_weight(make_llm, tiny_model_dir, backend):
