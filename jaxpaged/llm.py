@@ -41,7 +41,8 @@ class LLM:
         allow, at startup (with a progress bar), so that serving compiles nothing new. With the
         "cpu" backend (float32) that is one shape per token bucket of a packed step, about 20
         (20-70 s); the other backends have one per (batch, length, context) bucket, hundreds
-        under the default limits. "auto" precompiles only in the "cpu" case; False never.
+        under the default limits. "auto" precompiles only in the "cpu" case; False never. Steps
+        computing prompt logprobs run padded, and compile their shapes when first met.
 
     Raises:
       ValueError: an unknown model or an out-of-range setting, naming it.

@@ -311,9 +311,11 @@ class ModelRunner:
         sequences can hold (`max_blocks_per_seq` each) or the pool holds, whichever is fewer,
         so that a packed step's shape depends on T alone. The kernel skips padding entries at
         the cost of reading their row ids. Only shared blocks (forks, prefix hits) can take a
-        step's list past the pool's size; such a step goes to a larger `bucket`."""
-        fixed = min(self._num_seqs_bucket(T) * self.max_blocks_per_seq, self.kv_cache.shape[3])
-        return fixed if num_blocks <= fixed else bucket(num_blocks)
+        step's list past the pool's size; such a step gets the most its sequences can hold, one
+        more shape for that T, compiled when first met (not by `precompile`)."""
+        most = self._num_seqs_bucket(T) * self.max_blocks_per_seq
+        fixed = min(most, self.kv_cache.shape[3])
+        return fixed if num_blocks <= fixed else most
 
     def prepare_packed(self, seqs: list, num_new_tokens: list[int], T: int | None = None,
                        NB: int | None = None) -> ModelInput:

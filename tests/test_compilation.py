@@ -46,6 +46,28 @@ def test_precompile_auto_compiles_only_the_packed_shapes(make_llm, tiny_model_di
         assert len({T for _, T, _ in shapes}) == len(shapes)
 
 
+def test_shared_blocks_outnumbering_the_pool_take_a_longer_context_list(make_llm,
+                                                                        tiny_model_dir):
+    # 24 completions of one 3-block prompt list 72 cached blocks in a decode step, more than
+    # the 64-block pool holds (they are shared): that step's flat context list must take the
+    # most its sequences can hold, and give the tokens a roomy pool gives.
+    prompt = {"prompt_token_ids": list(range(100, 148))}
+    params = SamplingParams(n=24, seed=3, max_tokens=4, ignore_eos=True)
+    small = make_llm(tiny_model_dir, max_model_len=128, num_kv_blocks=64, max_num_seqs=32)
+    runner = small.llm_engine.runner
+    if not runner.packed:
+        pytest.skip("no C++ compiler: no packed steps")
+    lengths = []
+    prepare = runner.prepare_packed
+    runner.prepare_packed = lambda *a, **k: (b := prepare(*a, **k), lengths.append(
+        len(b.context_blocks)))[0]
+    got = small.generate([prompt], params, use_tqdm=False)[0].outputs
+    big = make_llm(tiny_model_dir, max_model_len=128, num_kv_blocks=256, max_num_seqs=32)
+    want = big.generate([prompt], params, use_tqdm=False)[0].outputs
+    assert max(lengths) == 24 * 8 > 64  # 24 sequences of at most 128 / 16 blocks
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+
 def test_precompile_rejects_an_unknown_value(tiny_model_dir):
     from jaxpaged import LLM
 
