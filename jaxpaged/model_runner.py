@@ -29,6 +29,7 @@ from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence, completion_seed
 
 MIN_PREFILL_BUCKET = 16  # smallest padded prompt length
+WARM_UP_TOKENS = 2048  # `precompile` also runs each shape of at most this many tokens once
 
 
 @dataclasses.dataclass
@@ -104,12 +105,33 @@ class ModelRunner:
         self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
         self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
                              static_argnames=("all_positions",))
+        # Executables compiled ahead of time by `precompile`, by `_shape_key`: jax.jit does not
+        # reuse what `.lower().compile()` built, and filling its cache by calling the step on
+        # padding inputs would run every shape, seconds each for the largest on CPU.
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
 
     @property
     def num_compilations(self) -> int:
-        """Shapes the jitted model step has been compiled for (one per bucket it has run)."""
-        return self._step._cache_size()
+        """Shapes the model step has been compiled for: by `precompile`, and by the jitted
+        step for each other bucket it has run."""
+        return len(self._compiled) + self._step._cache_size()
+
+    @staticmethod
+    def _shape_key(batch: ModelInput, all_positions: bool) -> tuple:
+        leaves, treedef = jax.tree.flatten(batch)
+        return treedef, tuple(np.shape(x) for x in leaves), all_positions
+
+    def _run_step(self, batch: ModelInput, all_positions: bool = False) -> jax.Array:
+        """Runs the model step on `batch` (its precompiled executable if there is one) and
+        keeps the updated pool; returns the logits."""
+        compiled = self._compiled.get(self._shape_key(batch, all_positions))
+        if compiled is not None:
+            logits, self.kv_cache = compiled(self.params, self.kv_cache, batch)
+        else:
+            logits, self.kv_cache = self._step(self.params, self.kv_cache, batch,
+                                               all_positions=all_positions)
+        return logits
 
     def bucket_shapes(self, max_num_seqs: int, max_num_batched_tokens: int,
                       max_model_len: int) -> list[tuple[int, int, int]]:
@@ -143,20 +165,30 @@ class ModelRunner:
         return decodes + prefills
 
     def precompile(self, shapes: list[tuple[int, int, int]], progress: bool = True) -> None:
-        """Compiles the model step for each (B, Q, C) of `bucket_shapes`, on padding-only
-        inputs (nothing is written to the pool), so that serving compiles nothing new."""
+        """Compiles the model step ahead of time for each (B, Q, C) of `bucket_shapes`, so
+        that serving compiles nothing new. A shape of at most `WARM_UP_TOKENS` tokens is also
+        run once on its padding-only input (nothing is written to the pool): an executable's
+        first run on CPU costs 0.1-0.5 s more than the later ones, which would otherwise land
+        on a request. Larger shapes take seconds a step, and are left to pay it when met."""
         for B, Q, C in tqdm(shapes, desc="Compiling step shapes", disable=not progress):
             if self.packed:
                 batch = self.prepare_packed([], [], T=Q, NB=C)
-                _, self.kv_cache = self._step(self.params, self.kv_cache, batch)
+            else:
+                zeros = np.zeros((B, Q), np.int32)
+                flat = self.flat_context
+                batch = ModelInput(zeros, zeros, np.full((B, Q), PAD_SLOT_ID, np.int32),
+                                   np.zeros((B, 0 if flat else C), np.int32),
+                                   np.zeros((B,), np.int32), np.zeros((B,), np.int32),
+                                   *(_padding_context(C, B) if flat else ()))
+            key = self._shape_key(batch, False)
+            if key in self._compiled:
                 continue
-            zeros = np.zeros((B, Q), np.int32)
-            flat = self.flat_context
-            batch = ModelInput(zeros, zeros, np.full((B, Q), PAD_SLOT_ID, np.int32),
-                               np.zeros((B, 0 if flat else C), np.int32),
-                               np.zeros((B,), np.int32), np.zeros((B,), np.int32),
-                               *(_padding_context(C, B) if flat else ()))
-            _, self.kv_cache = self._step(self.params, self.kv_cache, batch, all_positions=False)
+            compiled = self._step.lower(self.params, self.kv_cache, batch,
+                                        all_positions=False).compile()
+            self._compiled[key] = compiled
+            if B * Q <= WARM_UP_TOKENS:
+                # Runs while the next shape compiles (dispatch is asynchronous).
+                _, self.kv_cache = compiled(self.params, self.kv_cache, batch)
         jax.block_until_ready(self.kv_cache)
 
     def execute(self, out: SchedulerOutput) -> tuple[list[list[SampledToken]], dict]:
@@ -179,8 +211,7 @@ class ModelRunner:
         # Prompt logprobs need logits at every position of a row: such steps stay padded.
         if self.packed and not any(self._wants_prompt_logprobs(s) for s in out.seqs):
             batch = self.prepare_packed(out.seqs, out.num_scheduled_tokens)
-            logits, self.kv_cache = self._step(self.params, self.kv_cache, batch)
-            logits_parts.append(logits)
+            logits_parts.append(self._run_step(batch))
             logits_row.update({row: row for row in range(len(out.seqs))})
             batches = []
         for rows, is_prefill in batches:
@@ -189,8 +220,7 @@ class ModelRunner:
             batch = self.prepare_input(seqs, qs, is_prefill)
             want = [i for i, s in enumerate(seqs)
                     if is_prefill and self._wants_prompt_logprobs(s)]
-            logits, self.kv_cache = self._step(self.params, self.kv_cache, batch,
-                                               all_positions=bool(want))
+            logits = self._run_step(batch, all_positions=bool(want))
             if want:
                 k = max(seqs[i].params.prompt_logprobs for i in want)
                 logits, *plp = prompt_logprobs(logits, batch.input_ids, batch.query_lens,
