@@ -168,7 +168,11 @@ def test_flat_padding_rows_and_rows_without_context(impl):
         np.testing.assert_allclose(out[b, :ql[b]], want, rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_kernel_packed_sequences_equal_dense():
+# Head sizes 64 and 128 take the kernel's compiled-size code, where a group of 8 or more query
+# rows (here the 40- and 37-token chunks, 3 heads a token) scores keys from a transposed tile;
+# block size 32 splits each cached block into two tiles there.
+@pytest.mark.parametrize("head_dim,block_size", [(16, 8), (64, 8), (64, 32), (128, 16)])
+def test_cpu_kernel_packed_sequences_equal_dense(head_dim, block_size):
     # Sequences of different lengths packed on one token axis (gaps of padding tokens between
     # them): decodes, a fresh prompt and chunks continuing a cached prefix, in one call.
     if not cpu_attention.available():
@@ -176,8 +180,8 @@ def test_cpu_kernel_packed_sequences_equal_dense():
     rng = np.random.default_rng(11)
     context_lens, query_lens = [30, 1, 40, 17, 70], [1, 1, 40, 5, 37]
     q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense = build_case(
-        rng, context_lens, query_lens, 8)
-    poison_unowned(k_pages, v_pages, bt, nc, 8)
+        rng, context_lens, query_lens, block_size, head_dim=head_dim)
+    poison_unowned(k_pages, v_pages, bt, nc, block_size)
     gaps = [0, 2, 0, 3, 1]
     starts = np.cumsum([0] + [g + n for g, n in zip(gaps, query_lens)])[:-1] + gaps
     T = int(starts[-1] + query_lens[-1] + 2)
@@ -185,7 +189,7 @@ def test_cpu_kernel_packed_sequences_equal_dense():
     for b, (st, n) in enumerate(zip(starts, query_lens)):
         qp[st:st + n], kp[st:st + n], vp[st:st + n] = q[b, :n], k_new[b, :n], v_new[b, :n]
     qsl = np.append(starts, T).astype(np.int32)
-    blocks, rows, lens = flat_blocks(bt, nc, 8, num_padding=4)
+    blocks, rows, lens = flat_blocks(bt, nc, block_size, num_padding=4)
     out = np.asarray(cpu_kernel(qp, kp, vp, k_pages, v_pages, qsl, ql, blocks, rows, lens, 0.25))
     real = np.zeros(T, bool)
     for b, (k_all, v_all) in enumerate(dense):

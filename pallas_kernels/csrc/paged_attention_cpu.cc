@@ -8,6 +8,15 @@
 // all of the chunk's queries of that head (G query heads per token), rescaling each query's
 // running sum once per tile.
 //
+// The inner loops come in two forms. A few query rows (a decode's G heads) score a tile one key
+// at a time, a dot product along H each. Eight or more rows (a prompt chunk's tokens past the
+// tile's diagonal) share one transposed copy of the tile, [H, 16], and accumulate each row's 16
+// scores as one vector, with no sum across vector lanes. Head sizes 64 and 128 are compiled as
+// constants, so that a group of rows' output accumulators stay in registers across a tile.
+// Measured per layer with SmolLM2's heads (9 query, 3 kv, H = 64) on a 2-core AVX-512 CPU,
+// against the one-form kernel before it: a 512-token prompt 6.5 -> 3.4 ms, a 512-token chunk
+// over 1024 cached tokens 30 -> 15 ms, 64 decodes over 600 cached tokens 3.4-3.9 -> 2.8-3.2 ms.
+//
 // The queries are one flat token axis: sequence b's new tokens are q[query_start_loc[b] ..
 // query_start_loc[b] + query_lens[b]), so a step can pack decodes and prompt chunks of any
 // lengths without padding each to the longest (vLLM's `query_start_loc`). A padded [B, Q] batch
@@ -82,11 +91,13 @@ struct Row {
   float m, l;      // running max and sum
 };
 
-// Adds keys/values t = 0..n-1 (rows `stride` floats apart) to NR query rows at once, so each
-// key and value row is loaded once for all of them. s: NR score rows, `ld` floats apart.
-template <int NR>
-inline void UpdateGroup(Row* r, const float* kb, const float* vb, int64_t stride, int64_t n,
-                        int64_t H, float* s, int64_t ld) {
+// Scores of keys t = 0..n-1 (rows `stride` floats apart) for NR query rows at once, a dot
+// product per (row, key) along H, so each key row is loaded once for all of them.
+// s: NR score rows, `ld` floats apart. The cheaper form when there are few rows (decode).
+template <int NR, int kH>
+inline void ScoresByKey(const Row* r, const float* kb, int64_t stride, int64_t n,
+                        int64_t head_dim, float* s, int64_t ld) {
+  const int64_t H = kH > 0 ? kH : head_dim;
   const float* q0 = r[0].q;
   const float* q1 = r[NR > 1 ? 1 : 0].q;
   const float* q2 = r[NR > 2 ? 2 : 0].q;
@@ -107,6 +118,32 @@ inline void UpdateGroup(Row* r, const float* kb, const float* vb, int64_t stride
     if constexpr (NR > 2) s[2 * ld + t] = a2;
     if constexpr (NR > 3) s[3 * ld + t] = a3;
   }
+}
+
+// The same scores from a tile of keys transposed to kt: [kH, kTile] (key t of the tile in lane
+// t): each row's kTile scores accumulate in one vector over h, with no sum across lanes. Pays
+// off when the transpose is shared by many rows (prompt chunks).
+template <int NR, int kH>
+inline void ScoresByDim(const Row* r, const float* kt, int64_t n, float* s, int64_t ld) {
+  float a[NR][kTile] = {};
+  for (int64_t h = 0; h < kH; ++h) {
+    const float* kh = kt + h * kTile;
+    for (int j = 0; j < NR; ++j) {
+      const float qh = r[j].q[h];
+#pragma omp simd
+      for (int64_t t = 0; t < kTile; ++t) a[j][t] += qh * kh[t];
+    }
+  }
+  for (int j = 0; j < NR; ++j) std::copy_n(a[j], n, s + j * ld);
+}
+
+// Adds keys t = 0..n-1, with scores s (NR rows, `ld` apart) and values at vb (rows `stride`
+// floats apart), to NR query rows: the online-softmax update, each value row loaded once per
+// query row.
+template <int NR, int kH>
+inline void Apply(Row* r, const float* vb, int64_t stride, int64_t n, int64_t head_dim,
+                  float* s, int64_t ld) {
+  const int64_t H = kH > 0 ? kH : head_dim;
   for (int j = 0; j < NR; ++j) {
     Row& row = r[j];
     float* p = s + j * ld;
@@ -127,23 +164,82 @@ inline void UpdateGroup(Row* r, const float* kb, const float* vb, int64_t stride
       sum += p[t];
     }
     row.l += sum;
-    float* acc = row.acc;
-    for (int64_t t = 0; t < n; ++t) {
-      const float pt = p[t];
-      const float* vt = vb + t * stride;
+    if constexpr (kH == 0) {
+      float* acc = row.acc;
+      for (int64_t t = 0; t < n; ++t) {
+        const float pt = p[t];
+        const float* vt = vb + t * stride;
 #pragma omp simd
-      for (int64_t h = 0; h < H; ++h) acc[h] += pt * vt[h];
+        for (int64_t h = 0; h < H; ++h) acc[h] += pt * vt[h];
+      }
     }
+  }
+  if constexpr (kH > 0) {  // all NR accumulators in registers across the tile, each value row
+    float acc[NR][kH];      // loaded once for all of them
+    for (int j = 0; j < NR; ++j) std::copy_n(r[j].acc, kH, acc[j]);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* vt = vb + t * stride;
+      for (int j = 0; j < NR; ++j) {
+        const float pt = s[j * ld + t];
+#pragma omp simd
+        for (int64_t h = 0; h < kH; ++h) acc[j][h] += pt * vt[h];
+      }
+    }
+    for (int j = 0; j < NR; ++j) std::copy_n(acc[j], kH, r[j].acc);
   }
 }
 
-// `UpdateGroup` over any number of rows, four at a time.
+constexpr int64_t kRowsByDim = 8;  // from this many rows, scores go through a transposed tile
+
+// Adds keys/values t = 0..n-1 (rows `stride` floats apart) to `num_rows` query rows, four at a
+// time. kH: the head size when known at compile time (64, 128), else 0.
+template <int kH>
+void UpdateH(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t stride,
+             int64_t n, int64_t H, float* s, int64_t ld) {
+  if constexpr (kH > 0) {
+    if (num_rows >= kRowsByDim) {
+      float kt[kH * kTile];
+      for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+        const int64_t m = std::min(kTile, n - t0);
+        std::fill_n(kt, kH * kTile, 0.f);
+        for (int64_t t = 0; t < m; ++t)
+          for (int64_t h = 0; h < kH; ++h) kt[h * kTile + t] = kb[(t0 + t) * stride + h];
+        const float* vt = vb + t0 * stride;
+        Row* g = r;
+        int64_t left = num_rows;
+        for (; left >= 4; g += 4, left -= 4) {
+          ScoresByDim<4, kH>(g, kt, m, s, ld);
+          Apply<4, kH>(g, vt, stride, m, H, s, ld);
+        }
+        for (; left > 0; ++g, --left) {
+          ScoresByDim<1, kH>(g, kt, m, s, ld);
+          Apply<1, kH>(g, vt, stride, m, H, s, ld);
+        }
+      }
+      return;
+    }
+  }
+  for (; num_rows >= 4; r += 4, num_rows -= 4) {
+    ScoresByKey<4, kH>(r, kb, stride, n, H, s, ld);
+    Apply<4, kH>(r, vb, stride, n, H, s, ld);
+  }
+  if (num_rows == 3) {
+    ScoresByKey<3, kH>(r, kb, stride, n, H, s, ld);
+    Apply<3, kH>(r, vb, stride, n, H, s, ld);
+  } else if (num_rows == 2) {
+    ScoresByKey<2, kH>(r, kb, stride, n, H, s, ld);
+    Apply<2, kH>(r, vb, stride, n, H, s, ld);
+  } else if (num_rows == 1) {
+    ScoresByKey<1, kH>(r, kb, stride, n, H, s, ld);
+    Apply<1, kH>(r, vb, stride, n, H, s, ld);
+  }
+}
+
 inline void Update(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t stride,
                    int64_t n, int64_t H, float* s, int64_t ld) {
-  for (; num_rows >= 4; r += 4, num_rows -= 4) UpdateGroup<4>(r, kb, vb, stride, n, H, s, ld);
-  if (num_rows == 3) UpdateGroup<3>(r, kb, vb, stride, n, H, s, ld);
-  if (num_rows == 2) UpdateGroup<2>(r, kb, vb, stride, n, H, s, ld);
-  if (num_rows == 1) UpdateGroup<1>(r, kb, vb, stride, n, H, s, ld);
+  if (H == 64) return UpdateH<64>(r, num_rows, kb, vb, stride, n, H, s, ld);
+  if (H == 128) return UpdateH<128>(r, num_rows, kb, vb, stride, n, H, s, ld);
+  UpdateH<0>(r, num_rows, kb, vb, stride, n, H, s, ld);
 }
 
 void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
@@ -179,10 +275,14 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
   for (int64_t j0 = 0; j0 < task.i1; j0 += kTile) {
     const float* kb = a.k_new + ((first + j0) * K + k) * H;
     const float* vb = a.v_new + ((first + j0) * K + k) * H;
-    for (int64_t i = std::max(task.i0, j0); i < task.i1; ++i) {
-      const int64_t n = std::min(kTile, i + 1 - j0);
-      Update(&rows[(i - task.i0) * G], G, kb, vb, K * H, n, H, s, ld);  // token i's G heads
-    }
+    // Tokens on the tile's diagonal see part of it, token by token (G heads each); the
+    // tokens past it see all kTile keys, and go as one group of rows.
+    const int64_t lo = std::max(task.i0, j0);
+    const int64_t full = std::clamp(j0 + kTile - 1, lo, task.i1);
+    for (int64_t i = lo; i < full; ++i)
+      Update(&rows[(i - task.i0) * G], G, kb, vb, K * H, i + 1 - j0, H, s, ld);
+    if (full < task.i1)
+      Update(&rows[(full - task.i0) * G], (task.i1 - full) * G, kb, vb, K * H, kTile, H, s, ld);
   }
 
   for (int64_t i = task.i0; i < task.i1; ++i)
