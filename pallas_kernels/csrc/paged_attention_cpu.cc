@@ -138,8 +138,8 @@ inline void ScoresByDim(const Row* r, const float* kt, int64_t n, float* s, int6
 }
 
 // Adds keys t = 0..n-1, with scores s (NR rows, `ld` apart) and values at vb (rows `stride`
-// floats apart), to NR query rows: the online-softmax update, each value row loaded once per
-// query row.
+// floats apart), to NR query rows: the online-softmax update. With a compiled head size each
+// value row is loaded once for the NR rows; otherwise once per row.
 template <int NR, int kH>
 inline void Apply(Row* r, const float* vb, int64_t stride, int64_t n, int64_t head_dim,
                   float* s, int64_t ld) {
