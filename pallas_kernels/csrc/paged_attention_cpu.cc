@@ -189,6 +189,13 @@ inline void Apply(Row* r, const float* vb, int64_t stride, int64_t n, int64_t he
   }
 }
 
+template <int NR, int kH>
+inline void UpdateByKey(Row* r, const float* kb, const float* vb, int64_t stride, int64_t n,
+                        int64_t H, float* s, int64_t ld) {
+  ScoresByKey<NR, kH>(r, kb, stride, n, H, s, ld);
+  Apply<NR, kH>(r, vb, stride, n, H, s, ld);
+}
+
 constexpr int64_t kRowsByDim = 8;  // from this many rows, scores go through a transposed tile
 
 // Adds keys/values t = 0..n-1 (rows `stride` floats apart) to `num_rows` query rows, four at a
@@ -201,7 +208,7 @@ void UpdateH(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t
       float kt[kH * kTile];
       for (int64_t t0 = 0; t0 < n; t0 += kTile) {
         const int64_t m = std::min(kTile, n - t0);
-        std::fill_n(kt, kH * kTile, 0.f);
+        if (m < kTile) std::fill_n(kt, kH * kTile, 0.f);  // lanes past m: scored, never read
         for (int64_t t = 0; t < m; ++t)
           for (int64_t h = 0; h < kH; ++h) kt[h * kTile + t] = kb[(t0 + t) * stride + h];
         const float* vt = vb + t0 * stride;
@@ -219,20 +226,10 @@ void UpdateH(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t
       return;
     }
   }
-  for (; num_rows >= 4; r += 4, num_rows -= 4) {
-    ScoresByKey<4, kH>(r, kb, stride, n, H, s, ld);
-    Apply<4, kH>(r, vb, stride, n, H, s, ld);
-  }
-  if (num_rows == 3) {
-    ScoresByKey<3, kH>(r, kb, stride, n, H, s, ld);
-    Apply<3, kH>(r, vb, stride, n, H, s, ld);
-  } else if (num_rows == 2) {
-    ScoresByKey<2, kH>(r, kb, stride, n, H, s, ld);
-    Apply<2, kH>(r, vb, stride, n, H, s, ld);
-  } else if (num_rows == 1) {
-    ScoresByKey<1, kH>(r, kb, stride, n, H, s, ld);
-    Apply<1, kH>(r, vb, stride, n, H, s, ld);
-  }
+  for (; num_rows >= 4; r += 4, num_rows -= 4) UpdateByKey<4, kH>(r, kb, vb, stride, n, H, s, ld);
+  if (num_rows == 3) UpdateByKey<3, kH>(r, kb, vb, stride, n, H, s, ld);
+  if (num_rows == 2) UpdateByKey<2, kH>(r, kb, vb, stride, n, H, s, ld);
+  if (num_rows == 1) UpdateByKey<1, kH>(r, kb, vb, stride, n, H, s, ld);
 }
 
 inline void Update(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t stride,
