@@ -6,10 +6,12 @@
 """
 
 from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from jaxpaged.llm import LLM
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
-           "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+           "CompletionOutput", "EngineDeadError", "InvalidRequestError", "Logprob",
+           "RequestFailedError", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -4,9 +4,18 @@ One background task steps the engine while requests are added and aborted concur
 hands each request its outputs as they are produced (vLLM's `AsyncLLMEngine` does the same).
 
 The engine is not thread-safe, and a step blocks for as long as the model runs. So every call
-into it (`step`, `add_request`, `abort_request`, tokenizer use, `stats`) runs on one worker
-thread, in submission order: the event loop stays free to serve HTTP while a step runs, a request
-added or aborted during a step takes effect right after it, before the next one.
+into its state (`step`, `add_request`, `abort_request`, `stats`) runs on one worker thread, the
+engine's, in submission order: the event loop stays free to serve HTTP while a step runs, a
+request added or aborted during a step takes effect right after it, before the next one. Work
+that reads no engine state, and can take long for a large input (tokenizing a prompt, rendering
+a chat template, decoding token ids), runs on a separate preprocessing pool instead, so that it
+costs its own request time and never delays a step. (Hugging Face's fast tokenizers release
+the GIL while they encode.)
+
+A step that raises is isolated to the request it comes from (`LLMEngine.step`): that request's
+stream raises `RequestFailedError` and the others go on. A fatal fault (`EngineDeadError`, see
+`jaxpaged.errors`) stops the step loop: every unfinished request fails with it, later requests
+are refused, and the callbacks given to `on_dead` run (the server exits on it).
 """
 
 from __future__ import annotations
@@ -17,16 +26,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+from jaxpaged.errors import EngineDeadError, RequestFailedError
 from jaxpaged.llm_engine import LLMEngine
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """A step raised: the engine stopped, and every unfinished request was failed with this."""
+NUM_PREPROCESS_THREADS = 2  # tokenization and chat templating, off the engine's thread
 
 
 class AsyncLLMEngine:
@@ -39,6 +46,9 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "jaxpaged-engine")
+        self._preprocessor = concurrent.futures.ThreadPoolExecutor(NUM_PREPROCESS_THREADS,
+                                                                   "jaxpaged-preprocess")
+        self._dead_callbacks: list[Callable[[], None]] = []
         self._streams: dict[str, RequestStream] = {}  # unfinished requests
         self._has_work: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -74,6 +84,11 @@ class AsyncLLMEngine:
         for stream in list(self._streams.values()):
             stream.close()
         self._worker.shutdown(wait=True)
+        self._preprocessor.shutdown(wait=True)
+
+    def on_dead(self, callback: Callable[[], None]) -> None:
+        """Calls `callback()` on the event loop once, when a fatal fault stops the engine."""
+        self._dead_callbacks.append(callback)
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """Runs `fn(*args)` on the engine's thread, after what is already queued there."""
@@ -86,6 +101,10 @@ class AsyncLLMEngine:
         finally:
             self._stats = self.engine.stats()
 
+    async def preprocess(self, fn: Callable[..., T], *args) -> T:
+        """Runs `fn(*args)` on the preprocessing pool: for work that reads no engine state."""
+        return await asyncio.get_running_loop().run_in_executor(self._preprocessor, fn, *args)
+
     # -- requests ---------------------------------------------------------------------------
 
     async def add_request(self, prompt: str | dict, params: SamplingParams,
@@ -97,11 +116,12 @@ class AsyncLLMEngine:
           request_id: unique among unfinished requests.
 
         Raises:
-          ValueError: the prompt, parameters or request id are invalid (nothing was queued).
-          EngineDeadError: the step loop has stopped on an error.
+          InvalidRequestError (a ValueError): the prompt, parameters or request id are invalid,
+            naming the field (nothing was queued).
+          EngineDeadError: the step loop has stopped on a fatal fault.
         """
         if self.dead is not None:
-            raise EngineDeadError(f"the engine stopped: {self.dead!r}") from self.dead
+            raise EngineDeadError(f"the engine stopped: {self.dead}") from self.dead
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.start()
@@ -144,16 +164,21 @@ class AsyncLLMEngine:
             pass
 
     async def tokenize_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        """`LLMEngine.tokenize_prompt` on the engine's thread."""
-        return await self.run(self.engine.tokenize_prompt, prompt)
+        """`LLMEngine.tokenize_prompt` on the preprocessing pool."""
+        return await self.preprocess(self.engine.tokenize_prompt, prompt)
 
     async def chat_prompt(self, messages: list[dict], **template_kwargs) -> tuple[str, list[int]]:
-        """`LLMEngine.chat_prompt` on the engine's thread."""
-        return await self.run(lambda: self.engine.chat_prompt(messages, **template_kwargs))
+        """`LLMEngine.chat_prompt` on the preprocessing pool."""
+        return await self.preprocess(lambda: self.engine.chat_prompt(messages, **template_kwargs))
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, on the preprocessing pool."""
+        return await self.preprocess(
+            lambda: self.engine.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     async def decode(self, token_ids: list[int]) -> str:
-        """Text of `token_ids`, special tokens included."""
-        return await self.run(self.engine.tokenizer.decode, token_ids)
+        """Text of `token_ids`, special tokens included, on the preprocessing pool."""
+        return await self.preprocess(self.engine.tokenizer.decode, token_ids)
 
     def stats(self) -> dict[str, int]:
         """`LLMEngine.stats()` as of the last call into the engine (no waiting on a step)."""
@@ -168,12 +193,14 @@ class AsyncLLMEngine:
                 outputs = await self.run(self.engine.step)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # a bug in a step: fail every request rather than hang them
-                logger.exception("engine step failed; stopping the engine")
+            except Exception as e:  # fatal (per-request faults come back as failed outputs)
+                logger.exception("a fatal fault stopped the engine")
                 self.dead = e
                 for stream in self._streams.values():
                     stream.put(e)
                 self._streams.clear()
+                for callback in self._dead_callbacks:
+                    callback()
                 return
             for output in outputs:
                 stream = self._streams.get(output.request_id)
@@ -193,7 +220,8 @@ class RequestStream:
     Ends after the output with `finished=True`, or early (no error) if the request is aborted.
 
     Raises (from iteration):
-      EngineDeadError: a step failed.
+      RequestFailedError: a fault in a step was traced to this request (it has ended).
+      EngineDeadError: a fatal fault stopped the engine.
     """
 
     def __init__(self, request_id: str, engine: AsyncLLMEngine):
@@ -217,8 +245,10 @@ class RequestStream:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.finished = True
-            raise EngineDeadError(f"the engine stopped: {item!r}") from item
+            raise EngineDeadError(f"the engine stopped: {item}") from item
         self.finished = item.finished
+        if item.error is not None:
+            raise RequestFailedError(item.error)
         return item
 
     def close(self) -> None:

@@ -107,9 +107,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     llm = _build_llm(args)
     model_name = args.served_model_name or args.model or DEFAULT_MODEL
-    run_server(llm, model_name, host=args.host, port=args.port, api_key=args.api_key,
-               model_root=str(args.model or DEFAULT_MODEL), log_level=args.log_level)
-    return 0
+    return run_server(llm, model_name, host=args.host, port=args.port, api_key=args.api_key,
+                      model_root=str(args.model or DEFAULT_MODEL), log_level=args.log_level)
 
 
 def _generate(args: argparse.Namespace) -> int:

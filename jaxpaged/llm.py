@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxpaged.config import CacheConfig
+from jaxpaged.errors import InvalidRequestError
 from jaxpaged.llm_engine import LLMEngine
 from jaxpaged.model_store import resolve_model
 from jaxpaged.outputs import RequestOutput
@@ -79,8 +80,15 @@ class LLM:
             defaults.
           use_tqdm: show a progress bar.
 
+        Returns:
+          One finished `RequestOutput` per prompt. A request that a fault in an engine step was
+          traced to comes back with `error` set and its completions' finish_reason "error"
+          (the others complete; see `jaxpaged.errors`).
+
         Raises:
-          ValueError: a prompt or parameter is invalid; raised before anything runs.
+          ValueError: a prompt or parameter is invalid (an `InvalidRequestError` naming it);
+            raised before anything runs.
+          EngineDeadError: a fatal fault stopped the engine.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -161,6 +169,10 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         engine = self.llm_engine
+        if params.beam_width > engine.scheduler_config.max_num_seqs:
+            raise InvalidRequestError(
+                "beam_width", f"beam_width={params.beam_width} beams cannot run at once: this "
+                f"engine runs at most max_num_seqs={engine.scheduler_config.max_num_seqs}")
         tokenized = [engine.tokenize_prompt(p) for p in prompts]
         S = engine.cache_config.block_size
         for _, ids in tokenized:

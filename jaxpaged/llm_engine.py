@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from pathlib import Path
 
@@ -16,13 +17,17 @@ from transformers import AutoTokenizer, GenerationConfig
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.errors import EngineDeadError, InvalidRequestError
 from jaxpaged.model_runner import ModelRunner, num_kv_blocks
 from jaxpaged.models import LlamaConfig, load_llama
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.pallas_kernels import resolve_attention_backend
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler
+from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.sequence import Sequence, completion_seed
+from jaxpaged.stop_strings import StopStringState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -32,10 +37,12 @@ class _Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer]
+    stop_states: list[StopStringState | None]  # per completion, when the request has stops
 
     params: SamplingParams
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
+    error: str | None = None  # the step fault that failed the request
 
     @property
     def finished(self) -> bool:
@@ -43,30 +50,30 @@ class _Request:
 
     def output(self) -> RequestOutput:
         """The request's state; with best_of > n, finished outputs keep the n most likely."""
-        pairs = sorted(zip(self.seqs, self.detokenizers), key=lambda sd: sd[0].index)
+        triples = sorted(zip(self.seqs, self.detokenizers, self.stop_states),
+                         key=lambda sdh: sdh[0].index)
         finished = self.finished
-        if finished and len(pairs) > self.params.n:
-            pairs = sorted(pairs, key=lambda sd: -sd[0].cumulative_logprob)[:self.params.n]
+        if finished and len(triples) > self.params.n:
+            triples = sorted(triples, key=lambda sdh: -sdh[0].cumulative_logprob)[:self.params.n]
         completions = []
-        for index, (s, d) in enumerate(pairs):
-            text = d.text if s.is_finished else d.text[:len(d.text) - _held_back(d.text, s)]
+        for index, (s, d, stop_state) in enumerate(triples):
+            # Text that may still become a stop string is held back until it is decided.
+            held = 0 if s.is_finished or stop_state is None else stop_state.num_held_back
+            text = d.text[:len(d.text) - held]
             completions.append(CompletionOutput(
                 index if finished else s.index, text, s.output_token_ids, s.cumulative_logprob,
                 s.logprobs, s.finish_reason, s.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
                              finished, self.prompt_logprobs, self.metrics,
-                             self.seqs[0].num_cached_tokens or 0)
+                             self.seqs[0].num_cached_tokens or 0, self.error)
+
+    def new_stop_state(self) -> StopStringState | None:
+        stops = self.params.stop_strings
+        return None if stops is None else StopStringState(stops)
 
 
-def _held_back(text: str, seq: Sequence) -> int:
-    """Length of the longest suffix of `text` that could still begin a stop string."""
-    longest = 0
-    for stop in seq.params.stop:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def resolve_dtype(dtype: str) -> jnp.dtype:
@@ -123,6 +130,8 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
         self._request_ids = itertools.count()
+        self._token_texts: dict[int, str] = {}
+        self._num_failed_steps = 0  # steps in a row whose every request failed (see _execute)
         self.num_prompt_tokens = 0  # prompt tokens computed (recomputes included)
         self.num_generation_tokens = 0  # tokens sampled
 
@@ -146,24 +155,27 @@ class LLMEngine:
         """
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise InvalidRequestError("prompt", "prompt is empty")
             text, ids = prompt, self.tokenizer(prompt).input_ids
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
             vocab = self.model_config.vocab_size
             bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt_token_ids {bad[:8]} are not ids in [0, {vocab})")
+                raise InvalidRequestError(
+                    "prompt", f"prompt_token_ids {bad[:8]} are not ids in [0, {vocab})")
             ids = [int(t) for t in ids]
         else:
-            raise ValueError(f"a prompt must be a str or a dict with 'prompt_token_ids', "
-                             f"got {type(prompt).__name__}: {prompt!r:.80}")
+            raise InvalidRequestError(
+                "prompt", f"a prompt must be a str or a dict with 'prompt_token_ids', got "
+                f"{type(prompt).__name__}: {prompt!r:.80}")
         if not ids:
-            raise ValueError(f"prompt {prompt!r:.80} has no tokens")
+            raise InvalidRequestError("prompt", f"prompt {prompt!r:.80} has no tokens")
         max_len = self.scheduler_config.max_model_len
         if len(ids) >= max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room for output "
-                             f"under max_model_len={max_len}")
+            raise InvalidRequestError(
+                "prompt", f"prompt has {len(ids)} tokens, which leaves no room for output under "
+                f"max_model_len={max_len}")
         return text, ids
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -177,42 +189,66 @@ class LLMEngine:
             `continue_final_message` with `add_generation_prompt`, or a role it does not know).
         """
         if not messages:
-            raise ValueError("messages is empty: give at least one message")
+            raise InvalidRequestError("messages", "messages is empty: give at least one message")
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message)
         except jinja2.TemplateError as e:
-            raise ValueError(f"the chat template rejected the messages: {e}") from e
+            raise InvalidRequestError(
+                "messages", f"the chat template rejected the messages: {e}") from e
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
     def add_request(self, prompt: str | dict, params: SamplingParams,
                     request_id: str | None = None) -> str:
-        """Queues a prompt; returns its request id. Validates before queueing anything."""
+        """Queues a prompt; returns its request id. Validates before queueing anything.
+
+        Raises:
+          InvalidRequestError (a ValueError), naming the field: a bad prompt (see
+          `tokenize_prompt`); token ids past the vocabulary; more completions (`best_of` or `n`)
+          than `max_num_seqs` runs at once; `prompt_logprobs` over a prompt longer than
+          `max_num_batched_tokens` (it is computed in one step); a request id in use.
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {params!r:.80}")
-        bad_ids = params.token_ids_out_of_vocab(self.model_config.vocab_size)
-        if bad_ids:
-            raise ValueError(f"token ids {bad_ids[:8]} in stop_token_ids / logit_bias / "
-                             f"allowed_token_ids are not below vocab_size="
-                             f"{self.model_config.vocab_size}")
+        params.check_vocab(self.model_config.vocab_size)
+        self.check_seats(params)
         text, ids = self.tokenize_prompt(prompt)
         budget = self.scheduler_config.max_num_batched_tokens
         if params.prompt_logprobs is not None and len(ids) > budget:
-            raise ValueError(f"prompt_logprobs needs the whole prompt in one step: the prompt "
-                             f"has {len(ids)} tokens, max_num_batched_tokens={budget}")
+            raise InvalidRequestError(
+                "prompt_logprobs", f"prompt_logprobs needs the whole prompt in one step: the "
+                f"prompt has {len(ids)} tokens, max_num_batched_tokens={budget}")
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**63))
         # One sequence is prefilled; it forks into the n completions right after (block sharing).
         seq = Sequence(request_id, 0, ids, params, seed)
         seq.num_forks = (params.best_of or params.n) - 1
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self.requests[request_id] = _Request(request_id, text, ids, [seq], [detok], params,
-                                             RequestMetrics(arrival_time=time.time()))
+        request = _Request(request_id, text, ids, [seq], [detok], [], params,
+                           RequestMetrics(arrival_time=time.time()))
+        request.stop_states.append(request.new_stop_state())
+        self.requests[request_id] = request
         self.scheduler.add(seq)
         return request_id
+
+    def check_seats(self, params: SamplingParams) -> None:
+        """Raises `InvalidRequestError` if the request's completions cannot all run at once.
+
+        A prompt forks into its `best_of` (or `n`) completions right after its prefill, and the
+        scheduler admits it only once `max_num_seqs` has a seat for each: a request with more
+        would wait at the head of the queue forever, and every request behind it too. (Its
+        tokens always fit the KV pool: each sequence stops at `max_model_len`, and the pool holds
+        at least that much, checked when the engine is built; forks that run out of blocks are
+        preempted and recomputed.)
+        """
+        seats, limit = params.best_of or params.n, self.scheduler_config.max_num_seqs
+        if seats > limit:
+            field = "best_of" if params.best_of is not None else "n"
+            raise InvalidRequestError(field, f"{field}={seats} completions cannot run at once: "
+                                      f"this engine runs at most max_num_seqs={limit} sequences")
 
     def abort_request(self, request_id: str) -> None:
         """Drops a request and frees its blocks; unknown ids are ignored."""
@@ -229,7 +265,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns the outputs of the requests it advanced.
 
-        Finished requests are returned once with `finished=True` and then forgotten.
+        Finished requests are returned once with `finished=True` and then forgotten. A request
+        that a fault in the step is traced to (see `_execute`) is returned finished with
+        `error` set and its completions' `finish_reason` "error"; the others go on.
+
+        Raises:
+          EngineDeadError: a fatal fault (see `jaxpaged.errors`); the engine is unusable.
         """
         out = self.scheduler.schedule()
         if out is None or not out.seqs:
@@ -238,28 +279,22 @@ class LLMEngine:
         for seq in out.seqs:
             m = self.requests[seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-        sampled, prompt_lps = self.runner.execute(out)
+        sampled, prompt_lps, failed = self._execute(out)
         now = time.time()
         touched = {}
         for row, (seq, q, row_samples) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
                                                         sampled)):
-            self.num_prompt_tokens += max(0, min(seq.num_computed_tokens + q,
-                                                 seq.num_prompt_tokens) - seq.num_computed_tokens)
-            seq.num_computed_tokens += q
-            self.block_manager.cache_full_blocks(seq)
-            self.num_generation_tokens += len(row_samples)
             request = self.requests[seq.request_id]
-            if row in prompt_lps and request.prompt_logprobs is None:
-                request.prompt_logprobs = self._prompt_logprob_dicts(request, prompt_lps[row])
-            if not row_samples:  # a prompt chunk with more to come: nothing sampled yet
+            if seq.request_id in failed:
                 continue
-            request.metrics.first_token_time = request.metrics.first_token_time or now
-            # Fork before anything is appended or finished: children copy the parent as it was.
-            targets = [seq] + [self._fork(request, seq, j) for j in range(1, len(row_samples))]
-            seq.num_forks = 0
-            for target, token in zip(targets, row_samples):
-                self._append_token(target, token, request.detokenizers[target.index])
-            touched[seq.request_id] = request
+            try:
+                if self._advance(request, seq, q, row_samples, prompt_lps.get(row), now):
+                    touched[seq.request_id] = request
+            except Exception as e:  # in detokenizing or stop checks: this request's own fault
+                logger.exception("request %s failed after its step", seq.request_id)
+                failed[seq.request_id] = _describe(e)
+        for request_id, reason in failed.items():
+            touched[request_id] = self._fail(self.requests[request_id], reason)
         outputs = []
         for request_id, request in touched.items():
             if request.finished:
@@ -268,6 +303,92 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request_id]
         return outputs
+
+    def _advance(self, request: _Request, seq: Sequence, q: int, row_samples: list,
+                 prompt_lps: list | None, now: float) -> bool:
+        """Books one row's computed tokens and appends its samples; whether it sampled."""
+        self.num_prompt_tokens += max(0, min(seq.num_computed_tokens + q,
+                                             seq.num_prompt_tokens) - seq.num_computed_tokens)
+        seq.num_computed_tokens += q
+        self.block_manager.cache_full_blocks(seq)
+        self.num_generation_tokens += len(row_samples)
+        if prompt_lps is not None and request.prompt_logprobs is None:
+            request.prompt_logprobs = self._prompt_logprob_dicts(request, prompt_lps)
+        if not row_samples:  # a prompt chunk with more to come: nothing sampled yet
+            return False
+        request.metrics.first_token_time = request.metrics.first_token_time or now
+        # Fork before anything is appended or finished: children copy the parent as it was.
+        targets = [seq] + [self._fork(request, seq, j) for j in range(1, len(row_samples))]
+        seq.num_forks = 0
+        for target, token in zip(targets, row_samples):
+            self._append_token(target, token, request.detokenizers[target.index],
+                               request.stop_states[target.index])
+        return True
+
+    # -- faults -----------------------------------------------------------------------------
+
+    def _execute(self, out: SchedulerOutput) -> tuple[list, dict, dict[str, str]]:
+        """`runner.execute(out)`, isolating a fault to the requests it comes from.
+
+        If the step raises, it is run again one request at a time (re-running is safe: it writes
+        the same K/V to the same slots, and seeded sampling draws the same tokens). A request
+        whose run raises alone fails; the others' results stand.
+
+        Returns:
+          (samples per row, {row: prompt logprobs}, {failed request id: reason}).
+
+        Raises:
+          EngineDeadError: the KV pool was lost with the fault, or every request of this step
+            and of the step before failed alone (a fault that recurs on a fresh batch).
+        """
+        try:
+            sampled, prompt_lps = self.runner.execute(out)
+            self._num_failed_steps = 0
+            return sampled, prompt_lps, {}
+        except Exception as fault:
+            self._check_pool(fault)
+            logger.warning("a step of %d rows raised %s; running its requests one at a time",
+                           len(out.seqs), _describe(fault))
+        rows_of: dict[str, list[int]] = {}
+        for row, seq in enumerate(out.seqs):
+            rows_of.setdefault(seq.request_id, []).append(row)
+        if out.blocks_to_copy:  # once, before any rerun writes into the copied blocks
+            self.runner.apply_copies(out.blocks_to_copy)
+        sampled, prompt_lps, failed = [[] for _ in out.seqs], {}, {}
+        for request_id, rows in rows_of.items():
+            part = SchedulerOutput([out.seqs[r] for r in rows],
+                                   [out.num_scheduled_tokens[r] for r in rows], [])
+            try:
+                part_sampled, part_lps = self.runner.execute(part)
+            except Exception as e:
+                self._check_pool(e)
+                logger.error("request %s failed in a step: %s", request_id, _describe(e),
+                             exc_info=e)
+                failed[request_id] = _describe(e)
+                continue
+            for i, row in enumerate(rows):
+                sampled[row] = part_sampled[i]
+            prompt_lps.update({rows[i]: lps for i, lps in part_lps.items()})
+        if len(failed) < len(rows_of):
+            self._num_failed_steps = 0
+        else:
+            self._num_failed_steps += 1
+            if self._num_failed_steps > 1:
+                raise EngineDeadError("a step fault recurred on a fresh batch")
+        return sampled, prompt_lps, failed
+
+    def _check_pool(self, fault: Exception) -> None:
+        if self.runner.kv_cache.is_deleted():
+            raise EngineDeadError("the KV pool was lost with a fault in the step") from fault
+
+    def _fail(self, request: _Request, reason: str) -> _Request:
+        """Ends every sequence of `request` with finish reason "error" and frees its blocks."""
+        request.error = reason
+        for seq in request.seqs:
+            seq.num_forks = 0
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+        return request
 
     def _prompt_logprob_dicts(self, request: _Request, rows: list) -> list:
         """vLLM's prompt_logprobs: None for the first token, then {id: Logprob} per token."""
@@ -280,8 +401,15 @@ class LLMEngine:
         entry = {t: Logprob(lp, r + 1) for r, (t, lp) in enumerate(top)}
         entry[token_id] = Logprob(logprob, rank)
         for t, lp in entry.items():
-            lp.decoded_token = self.tokenizer.decode([t])
+            lp.decoded_token = self._token_text(t)
         return entry
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text, decoded once per engine (top log-probabilities name many)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _fork(self, request: _Request, parent: Sequence, j: int) -> Sequence:
         """The j-th completion, sharing the parent's prompt blocks; seeded `seed + j`."""
@@ -290,9 +418,11 @@ class LLMEngine:
         request.seqs.append(child)
         request.detokenizers.append(IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, parent.params.skip_special_tokens))
+        request.stop_states.append(request.new_stop_state())
         return child
 
-    def _append_token(self, seq: Sequence, sampled, detok: IncrementalDetokenizer) -> None:
+    def _append_token(self, seq: Sequence, sampled, detok: IncrementalDetokenizer,
+                      stop_state: StopStringState | None) -> None:
         """Appends a sampled token: ids, log-probabilities, text, then the stop checks."""
         token_id, p = sampled.token_id, seq.params
         seq.token_ids.append(token_id)
@@ -302,7 +432,8 @@ class LLMEngine:
                                                     sampled.top))
         delta = detok.add_token(token_id)
         may_stop = seq.num_output_tokens >= p.min_tokens
-        stop = self._find_stop_string(detok, len(delta), p) if may_stop and p.stop else None
+        found = None if stop_state is None else stop_state.feed(delta, len(detok.text))
+        stop = self._cut_at_stop_string(detok, found, p) if may_stop and found else None
         if stop is not None:
             self.scheduler.finish(seq, "stop", stop_reason=stop)
         elif may_stop and not p.ignore_eos and token_id in self.eos_token_ids:
@@ -314,20 +445,13 @@ class LLMEngine:
             self.scheduler.finish(seq, "length")
 
     @staticmethod
-    def _find_stop_string(detok: IncrementalDetokenizer, num_new_chars: int,
-                          p: SamplingParams) -> str | None:
-        """The earliest stop string in the text that the newest characters complete; truncates
-        the text there (keeping the string if `include_stop_str_in_output`)."""
-        text = detok.text
-        found = None
-        for stop in p.stop:
-            i = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
-            if i >= 0 and (found is None or i < found[0]):
-                found = (i, stop)
-        if found is None:
-            return None
-        i, stop = found
-        detok.text = text[:i + len(stop)] if p.include_stop_str_in_output else text[:i]
+    def _cut_at_stop_string(detok: IncrementalDetokenizer, found: tuple[int, int],
+                            p: SamplingParams) -> str:
+        """Truncates the text at the stop string `found` = (start, length) that the newest
+        characters complete (keeping it if `include_stop_str_in_output`); returns it."""
+        start, length = found
+        stop = detok.text[start:start + length]
+        detok.text = detok.text[:start + (length if p.include_stop_str_in_output else 0)]
         return stop
 
     def stats(self) -> dict[str, int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,9 @@ class SampledToken:
     token_id: int
     logprob: float  # raw model log-probability of the token
     rank: int  # 1-based rank under the raw distribution
-    top: list[tuple[int, float]] | None  # (token id, log-probability), most likely first
+    # (token id, log-probability) of the `logprobs` most likely tokens, most likely first; empty
+    # for logprobs=0 (only the sampled token's), None when the request asked for none
+    top: list[tuple[int, float]] | None
 
 
 def next_power_of_2(n: int) -> int:
@@ -110,6 +113,9 @@ class ModelRunner:
         # padding inputs would run every shape, seconds each for the largest on CPU.
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
+        # Test-only: called with each `SchedulerOutput` at the start of `execute`; a hook that
+        # raises stands for a fault in the step (tests of the engine's fault isolation).
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = None
 
     @property
     def num_compilations(self) -> int:
@@ -204,8 +210,10 @@ class ModelRunner:
           prefill); a prompt chunk with more to come draws none. Prompt logprobs are a list over
           prompt tokens 1.. of (token logprob, rank, [(id, logprob)] top-k).
         """
+        if self.fault_hook is not None:
+            self.fault_hook(out)
         if out.blocks_to_copy:
-            self._apply_copies(out.blocks_to_copy)
+            self.apply_copies(out.blocks_to_copy)
         logits_parts, logits_row, prompt_lps = [], {}, {}
         batches = self._batches(out)
         # Prompt logprobs need logits at every position of a row: such steps stay padded.
@@ -245,7 +253,7 @@ class ModelRunner:
             num_logprobs=num_logprobs))
         for i, (row, seq, _) in enumerate(samples):
             k = seq.params.logprobs
-            top = (None if k is None else
+            top = (None if k is None else [] if k == 0 else
                    list(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist())))
             per_row[row].append(SampledToken(int(res.token_ids[i]), float(res.logprobs[i]),
                                              int(res.ranks[i]), top))
@@ -286,7 +294,7 @@ class ModelRunner:
                 for i in range(min(q, seq.num_prompt_tokens) - 1)]
         return collected
 
-    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+    def apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write block copies, padded to a power of two with repeats of the first."""
         pairs = copies + [copies[0]] * (next_power_of_2(len(copies)) - len(copies))
         src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))

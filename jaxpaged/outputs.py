@@ -23,7 +23,9 @@ class CompletionOutput:
     token_ids: list[int]  # generated ids, including a final EOS or stop token
     cumulative_logprob: float | None = None  # sum of the sampled tokens' log-probabilities
     logprobs: list[dict[int, Logprob]] | None = None  # per token: top-k and the sampled token
-    finish_reason: str | None = None  # "stop" (EOS, stop token or string), "length", or None
+    # "stop" (EOS, stop token or string), "length", "abort", "error" (a step fault failed the
+    # request: `RequestOutput.error` says which), or None while running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -42,6 +44,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, then per token]
     metrics: "RequestMetrics | None" = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # the fault that failed the request (finish_reason "error")
 
 
 @dataclasses.dataclass

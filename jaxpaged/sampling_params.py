@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+
+from jaxpaged.errors import InvalidRequestError
+from jaxpaged.stop_strings import StopStrings
 
 MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for per token (vLLM's default)
+MAX_STOP_STRINGS = 64  # stop strings per request
+MAX_STOP_STRING_CHARS = 256  # characters per stop string
 
 
 @dataclasses.dataclass
 class SamplingParams:
     """How to sample the completions of one prompt (vLLM's `SamplingParams`).
 
-    Invalid values raise `ValueError` naming the field and the value, when the object is built.
+    Invalid values raise `InvalidRequestError` (a `ValueError`) naming the field and the value,
+    when the object is built. Numbers must be finite. The stop strings are bounded
+    (`MAX_STOP_STRINGS` of at most `MAX_STOP_STRING_CHARS` characters) and compiled into one
+    automaton here, so that the engine checks them in time proportional to the new text.
     """
 
     n: int = 1  # completions returned per prompt
@@ -36,10 +45,13 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     allowed_token_ids: list[int] | None = None  # if set, only these tokens can be sampled
+    stop_strings: StopStrings | None = dataclasses.field(  # the automaton over `stop`
+        default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         def bad(field: str, rule: str):
-            raise ValueError(f"SamplingParams.{field} {rule}, got {getattr(self, field)!r}")
+            raise InvalidRequestError(
+                field, f"SamplingParams.{field} {rule}, got {getattr(self, field)!r:.200}")
 
         if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an int >= 1")
@@ -65,6 +77,11 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a string or a list of non-empty strings")
+        if (len(self.stop) > MAX_STOP_STRINGS
+                or max(map(len, self.stop), default=0) > MAX_STOP_STRING_CHARS):
+            bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings of at most "
+                f"{MAX_STOP_STRING_CHARS} characters")
+        self.stop_strings = StopStrings(self.stop) if self.stop else None
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative ints")
@@ -96,11 +113,13 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
-    def token_ids_out_of_vocab(self, vocab_size: int) -> list[int]:
-        """Token ids named by this request that are not below `vocab_size`."""
-        ids = (self.stop_token_ids + list(self.logit_bias or {})
-               + list(self.allowed_token_ids or []))
-        return sorted({t for t in ids if t >= vocab_size})
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises `InvalidRequestError` naming the first field with a token id past the vocab."""
+        for field in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            bad = sorted({t for t in getattr(self, field) or () if t >= vocab_size})
+            if bad:
+                raise InvalidRequestError(field, f"SamplingParams.{field} names token ids "
+                                          f"{bad[:8]}, not below vocab_size={vocab_size}")
 
 
 def _is_int(x) -> bool:
@@ -108,4 +127,5 @@ def _is_int(x) -> bool:
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+    """A finite int or float (not a bool, NaN or infinity)."""
+    return _is_int(x) or (isinstance(x, float) and math.isfinite(x))

@@ -4,8 +4,12 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
 `GET /version`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`. Errors carry OpenAI's body
-`{"error": {"message", "type", "param", "code"}}`: 400 for invalid input, 401 for a missing or
-wrong API key on `/v1/*`, 404 for an unknown model or route, 500 if the engine fails.
+`{"error": {"message", "type", "param", "code"}}`: 400 for invalid input (`param` names the
+field), 401 for a missing or wrong API key on `/v1/*`, 404 for an unknown model or route, 415
+for a body not sent as `application/json`, 500 for a request that a fault in an engine step
+failed (the others go on), 503 once a fatal fault has stopped the engine; `serve` then exits
+with status 1 (see `jaxpaged.errors`). A client that disconnects while sending its body gets one
+log line, not an error.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import pydantic
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -54,8 +58,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     async def health(request: Request) -> Response:
         if engine.dead is not None:
-            return _error(APIError(f"the engine stopped: {engine.dead!r}", 503,
-                                   type="server_error"))
+            return _error(APIError("the engine stopped on a fatal fault; restart the server",
+                                   503, type="server_error"))
         return Response(status_code=200)
 
     async def version(request: Request) -> Response:
@@ -73,8 +77,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             _, ids = await serving.chat_prompt(req.messages, req.add_generation_prompt,
                                                req.continue_final_message)
         else:
-            ids = await engine.run(lambda: engine.tokenizer(
-                req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
+            ids = await engine.tokenize(req.prompt, req.add_special_tokens)
         return JSONResponse(api.TokenizeResponse(
             count=len(ids), max_model_len=engine.max_model_len, tokens=ids).model_dump())
 
@@ -106,6 +109,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         APIError: lambda request, e: _error(e),
+        ClientDisconnect: _client_disconnected,
         HTTPException: lambda request, e: _error(APIError(
             e.detail, e.status_code, code="not_found" if e.status_code == 404 else None)),
         Exception: _internal_error,
@@ -116,13 +120,24 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
 
 async def _parse(request: Request, model: type[pydantic.BaseModel]):
-    """The JSON body as `model`; 400 naming the first bad field."""
+    """The JSON body as `model`: 415 unless sent as JSON, 400 naming the first bad field (the
+    top-level field in `param`, its full path in the message). Unknown fields are logged."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise APIError(f"the body must be JSON sent with 'Content-Type: application/json', got "
+                       f"{content_type or 'no content type'!r}", 415)
     try:
-        return model.model_validate_json(await request.body())
+        parsed = model.model_validate_json(await request.body())
     except pydantic.ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
-        raise APIError(f"{param}: {first['msg']}" if param else first["msg"], param=param) from e
+        path = ".".join(str(part) for part in first["loc"])
+        raise APIError(f"{path}: {first['msg']}" if path else first["msg"],
+                       param=str(first["loc"][0]) if first["loc"] else None) from e
+    ignored = api.ignored_fields(parsed)
+    if ignored:
+        logger.warning("%s %s: ignored unknown fields %s", request.method, request.url.path,
+                       ", ".join(ignored))
+    return parsed
 
 
 async def _respond(request: Request, handler) -> Response:
@@ -175,6 +190,13 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+async def _client_disconnected(request: Request, e: ClientDisconnect) -> Response:
+    """The client left while sending its body: one log line; the response goes nowhere."""
+    logger.info("%s %s: the client disconnected while sending its body", request.method,
+                request.url.path)
+    return Response(status_code=499)
+
+
 async def _internal_error(request: Request, e: Exception) -> JSONResponse:
     logger.exception("unhandled error in %s %s", request.method, request.url.path)
     return _error(APIError(f"internal server error: {e!r}", 500, type="server_error"))
@@ -182,9 +204,28 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
 
 def run_server(llm: jaxpaged.LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, model_root: str | None = None,
-               log_level: str = "info") -> None:
-    """Serves `llm`'s engine with uvicorn until interrupted."""
+               log_level: str = "info") -> int:
+    """Serves `llm`'s engine with uvicorn until interrupted (returns 0) or until a fatal fault
+    stops the engine (returns 1: the exit status of `jaxpaged serve`, for a supervisor)."""
     import uvicorn
 
-    app = build_app(AsyncLLMEngine(llm.llm_engine), model_name, api_key, model_root)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    _log_like_uvicorn(log_level)
+    engine = AsyncLLMEngine(llm.llm_engine)
+    app = build_app(engine, model_name, api_key, model_root)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    engine.on_dead(lambda: setattr(server, "should_exit", True))
+    server.run()
+    if engine.dead is not None:
+        logger.error("exiting: the engine stopped on a fatal fault (%s)", engine.dead)
+        return 1
+    return 0
+
+
+def _log_like_uvicorn(log_level: str) -> None:
+    """jaxpaged's log lines on stderr beside uvicorn's, at the same level."""
+    root = logging.getLogger("jaxpaged")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(log_level.upper())

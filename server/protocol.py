@@ -1,10 +1,12 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
 Field names, defaults and ranges follow OpenAI's API reference for `/v1/completions` and
-`/v1/chat/completions`, plus vLLM's extra sampling fields (`top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, ...). Unknown request fields are ignored, as
-OpenAI's own API and vLLM do. A value out of range fails validation, which the app answers with
-a 400 naming the field.
+`/v1/chat/completions` (temperature in [0, 2], penalties in [-2, 2], ...), plus vLLM's extra
+sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, ...).
+Types are strict, as in OpenAI's schema: no string-to-number or number-to-bool coercion (`"4"`
+is not an int, `true` not a number, `"yes"` not a bool), and numbers must be finite. A value
+that fails validation gets a 400 naming the field. Unknown request fields are ignored, as
+OpenAI's own API and vLLM do, and logged (`ignored_fields`).
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
+# JSON object keys are strings: logit_bias's token ids are the one place a string becomes an int.
+TokenIdKey = Annotated[int, Strict(False), Field(ge=0)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept aside (`model_extra`) only to be logged; nothing reads them.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -41,11 +46,11 @@ class _SamplingRequest(_Request):
     model: str | None = None
     n: int = Field(1, ge=1)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -88,7 +93,7 @@ class CompletionRequest(_SamplingRequest):
     """`POST /v1/completions`."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt's logprobs alone
     best_of: int | None = Field(None, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -131,6 +136,18 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: TokenIds
+
+
+def ignored_fields(request: BaseModel, path: str = "") -> list[str]:
+    """Dotted paths of the unknown fields anywhere in a parsed request (they were ignored)."""
+    found = [f"{path}{name}" for name in request.model_extra or {}]
+    for name in type(request).model_fields:
+        value = getattr(request, name)
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(item, BaseModel):
+                index = f".{i}" if isinstance(value, list) else ""
+                found += ignored_fields(item, f"{path}{name}{index}.")
+    return found
 
 
 # -- responses -------------------------------------------------------------------------------

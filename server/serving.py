@@ -4,12 +4,14 @@ Each prompt of a request becomes one engine request (`{request id}-{prompt index
 `i * n + j` is completion `j` of prompt `i`. Every prompt is tokenized, length-checked and added
 before any response byte is sent, so a bad request gets a 400 and leaves nothing queued. Streams
 carry server-sent events in OpenAI's chunk format and end with `data: [DONE]`; leaving a stream
-early (the client disconnects) aborts its engine requests.
+early (the client disconnects) aborts its engine requests. A request that fails in the engine
+gets a 500 (or, once streaming, an error event before `[DONE]`) with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -18,7 +20,8 @@ from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel
 
-from jaxpaged.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from jaxpaged.async_llm_engine import AsyncLLMEngine, RequestStream
+from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server import protocol as api
 from jaxpaged.server.logprobs import chat_logprobs, completion_logprobs
@@ -81,18 +84,25 @@ class OpenAIServing:
             raise APIError(str(e), param="prompt") from e
 
     async def _add(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                   make_params: Callable) -> list[RequestStream]:
-        """Adds one engine request per prompt; on any error, aborts those already added."""
+                   make_params: Callable, param_names: dict[str, str]) -> list[RequestStream]:
+        """Adds one engine request per prompt; on any error, aborts those already added.
+
+        An engine `InvalidRequestError` becomes a 400 whose `param` is the field's name in this
+        route's request (`param_names` maps the engine's names that differ)."""
         streams = []
         try:
             for i, (text, ids) in enumerate(prompts):
                 params = make_params(ids)
                 streams.append(await self.engine.add_request(
                     {"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}"))
-        except ValueError as e:
+        except (ValueError, EngineDeadError) as e:
             for stream in streams:
                 stream.close()
-            raise APIError(str(e)) from e
+            if isinstance(e, EngineDeadError):
+                raise APIError("the engine stopped on a fatal fault", 503,
+                               type="server_error") from e
+            param = getattr(e, "param", None)
+            raise APIError(str(e), param=param_names.get(param, param)) from e
         except BaseException:
             for stream in streams:
                 stream.close()
@@ -113,8 +123,11 @@ class OpenAIServing:
 
     async def _final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(streams)
-        async for i, output in self._outputs(streams):
-            finals[i] = output
+        try:
+            async for i, output in self._outputs(streams):
+                finals[i] = output
+        except (RequestFailedError, EngineDeadError) as e:
+            raise _failed(e) from e
         if not all(f is not None and f.finished for f in finals):
             raise APIError("the request was aborted", 500, type="server_error")
         return finals
@@ -138,6 +151,12 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.suffix is not None:
             raise APIError("suffix is not supported", param="suffix")
+        # max_tokens 0 scores the prompt (OpenAI's and vLLM's echo-only request): one token is
+        # generated, as the engine always does, and left out of the response.
+        prompt_only = req.max_tokens == 0
+        if prompt_only and not req.echo:
+            raise APIError("max_tokens must be at least 1 (0 only with echo, to return the "
+                           "prompt and its logprobs)", param="max_tokens")
         if req.stream and req.best_of not in (None, req.n):
             raise APIError("best_of must equal n when streaming", param="best_of")
         # (text, ids, the first token's text): echo needs the text, also of token-id prompts
@@ -148,15 +167,15 @@ class OpenAIServing:
                         await self.engine.decode(ids[:1])) for text, ids, _ in prompts]
 
         def make_params(ids):
-            try:
-                return req.sampling_params(
-                    self._max_tokens(req.max_tokens, len(ids)), req.logprobs,
-                    req.logprobs if req.echo else None, req.best_of)
-            except ValueError as e:
-                raise APIError(str(e)) from e
+            max_tokens = 1 if prompt_only else req.max_tokens
+            return req.sampling_params(self._max_tokens(max_tokens, len(ids)), req.logprobs,
+                                       req.logprobs if req.echo else None, req.best_of)
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._add(request_id, [p[:2] for p in prompts], make_params)
+        streams = await self._add(request_id, [p[:2] for p in prompts], make_params,
+                                  {"prompt_logprobs": "logprobs"})
+        if prompt_only:
+            streams = [_PromptOnly(stream) for stream in streams]
         if req.stream:
             return _closing(self._completion_stream(req, request_id, prompts, streams), streams)
         finals = await self._final_outputs(streams)
@@ -222,8 +241,8 @@ class OpenAIServing:
                     finals.append(output)
             if include_usage:
                 yield chunk([], self._usage(finals))
-        except (EngineDeadError, APIError) as e:
-            yield sse(_error_body(e))
+        except (RequestFailedError, EngineDeadError) as e:
+            yield sse(_failed(e).body())
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions ---------------------------------------------------------------
@@ -244,13 +263,12 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
 
         def make_params(ids):
-            try:
-                return req.sampling_params(self._max_tokens(requested, len(ids)), logprobs)
-            except ValueError as e:
-                raise APIError(str(e)) from e
+            return req.sampling_params(self._max_tokens(requested, len(ids)), logprobs)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._add(request_id, [prompt], make_params)
+        streams = await self._add(request_id, [prompt], make_params, {
+            "prompt": "messages", "logprobs": "top_logprobs",
+            "max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"})
         if req.stream:
             return _closing(self._chat_stream(req, request_id, streams), streams)
         [final] = await self._final_outputs(streams)
@@ -368,10 +386,30 @@ def _drop_none_deltas(chunk: api.ChatCompletionChunk) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
-def _error_body(e: Exception) -> dict:
-    if isinstance(e, APIError):
-        return e.body()
-    return APIError(str(e), 500, type="server_error").body()
+def _failed(e: RequestFailedError | EngineDeadError) -> APIError:
+    """The 500 of a request that failed in the engine, with the reason."""
+    what = "the request failed in the engine" if isinstance(e, RequestFailedError) else \
+        "the engine stopped on a fatal fault"
+    return APIError(f"{what}: {e}", 500, type="server_error")
+
+
+class _PromptOnly:
+    """A request's stream with its one generated token left out of each output (an echo with
+    `max_tokens` 0): no text, ids or logprobs, finish reason "length"."""
+
+    def __init__(self, stream: RequestStream):
+        self.stream = stream
+
+    def close(self) -> None:
+        self.stream.close()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        async for output in self.stream:
+            yield dataclasses.replace(output, outputs=[dataclasses.replace(
+                c, text="", token_ids=[], cumulative_logprob=0.0,
+                logprobs=None if c.logprobs is None else [],
+                finish_reason=c.finish_reason and "length", stop_reason=None)
+                for c in output.outputs])
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -280,7 +280,8 @@ def test_bad_chat_input_is_a_400(server):
         r = httpx.post(url, json={"model": MODEL, **body}, timeout=30)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(url, content=b"{not json", timeout=30)
+    r = httpx.post(url, content=b"{not json", timeout=30,
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
     _assert_healthy(server)
 
