@@ -64,7 +64,7 @@ class StopStringState:
         """Advances over `text`, new text ending at offset `end` of the completion's text.
 
         Returns (start offset, length) of the earliest-starting stop string that ends inside
-        `text`, or None.
+        `text` (of those starting there, the shortest: it is completed first), or None.
         """
         stops, found = self._stops, None
         for i, ch in enumerate(text):

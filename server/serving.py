@@ -64,9 +64,15 @@ class OpenAIServing:
 
     # -- shared steps -----------------------------------------------------------------------
 
-    def _max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int:
-        """`requested`, or all the room left when None; 400 past `max_model_len`."""
+    def _max_tokens(self, requested: int | None, num_prompt_tokens: int,
+                    prompt_param: str = "prompt") -> int:
+        """`requested`, or all the room left when None; 400 past `max_model_len` (naming
+        `prompt_param` if the prompt alone leaves no room)."""
         limit = self.engine.max_model_len
+        if num_prompt_tokens >= limit:
+            raise APIError(f"the prompt has {num_prompt_tokens} tokens, which leaves no room for "
+                           f"output under this model's maximum context length of {limit}",
+                           param=prompt_param)
         if requested is None:
             return limit - num_prompt_tokens
         if num_prompt_tokens + requested > limit:
@@ -263,7 +269,8 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
 
         def make_params(ids):
-            return req.sampling_params(self._max_tokens(requested, len(ids)), logprobs)
+            return req.sampling_params(self._max_tokens(requested, len(ids), "messages"),
+                                       logprobs)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, [prompt], make_params, {

@@ -1,0 +1,205 @@
+"""No request can kill or stall the engine (offline): logprobs=0, more completions than
+`max_num_seqs`, non-finite numbers, bounded stop lists matched in time proportional to the new
+text, and faults in a step isolated to the request they come from."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from jaxpaged import (BeamSearchParams, EngineDeadError, InvalidRequestError, SamplingParams)
+from jaxpaged.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from jaxpaged.stop_strings import StopStrings, StopStringState
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
+
+
+# -- logprobs=0: the sampled token's log-probability, no alternatives -----------------------
+
+def test_logprobs_zero_gives_the_sampled_token_alone(tiny_llm):
+    greedy = dict(temperature=0, max_tokens=4)
+    [zero, two] = tiny_llm.generate(
+        [PROMPTS[0]] * 2, [SamplingParams(logprobs=0, prompt_logprobs=0, **greedy),
+                           SamplingParams(logprobs=2, prompt_logprobs=2, **greedy)],
+        use_tqdm=False)
+    c0, c2 = zero.outputs[0], two.outputs[0]
+    assert c0.token_ids == c2.token_ids
+    for token, entry0, entry2 in zip(c0.token_ids, c0.logprobs, c2.logprobs):
+        assert list(entry0) == [token]
+        assert entry0[token].logprob == pytest.approx(entry2[token].logprob, abs=1e-5)
+        assert entry0[token].rank == entry2[token].rank == 1  # greedy
+    assert c0.cumulative_logprob == pytest.approx(c2.cumulative_logprob, abs=1e-4)
+    assert zero.prompt_logprobs[0] is None
+    for token, entry0, entry2 in zip(zero.prompt_token_ids[1:], zero.prompt_logprobs[1:],
+                                     two.prompt_logprobs[1:]):
+        assert list(entry0) == [token]
+        assert entry0[token].logprob == pytest.approx(entry2[token].logprob, abs=1e-5)
+
+
+def test_logprobs_zero_alone_in_a_sampled_batch(tiny_llm):
+    """The crash's exact shape: no sample of the step asks for k > 0."""
+    [out] = tiny_llm.generate(PROMPTS[1], SamplingParams(n=2, logprobs=0, max_tokens=3, seed=1),
+                              use_tqdm=False)
+    for c in out.outputs:
+        assert [list(entry) for entry in c.logprobs] == [[t] for t in c.token_ids]
+        assert c.cumulative_logprob == pytest.approx(
+            sum(entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)), abs=1e-4)
+
+
+# -- requests that could never be scheduled are refused at once -----------------------------
+
+@pytest.mark.parametrize("field,params", [
+    ("n", dict(n=9)), ("n", dict(n=1_000_000)), ("best_of", dict(n=2, best_of=300))])
+def test_more_completions_than_max_num_seqs_is_refused(tiny_llm, field, params):
+    engine = tiny_llm.llm_engine  # max_num_seqs=8
+    with pytest.raises(InvalidRequestError, match="max_num_seqs=8") as e:
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2, **params))
+    assert e.value.param == field
+    assert not engine.has_unfinished_requests()
+    [ok] = tiny_llm.generate(PROMPTS[0], SamplingParams(n=8, max_tokens=2), use_tqdm=False)
+    assert len(ok.outputs) == 8
+
+
+def test_more_beams_than_max_num_seqs_is_refused(tiny_llm):
+    with pytest.raises(InvalidRequestError, match="max_num_seqs=8") as e:
+        tiny_llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=9, max_tokens=2))
+    assert e.value.param == "beam_width"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", math.inf), ("temperature", math.nan), ("repetition_penalty", 1e309),
+    ("top_p", math.nan), ("logit_bias", {5: math.inf}), ("presence_penalty", -math.inf)])
+def test_non_finite_numbers_are_refused(field, value):
+    with pytest.raises(InvalidRequestError, match=field) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field
+
+
+def test_stop_list_is_bounded():
+    SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS)
+    for stop in (["x"] * (MAX_STOP_STRINGS + 1), ["x" * (MAX_STOP_STRING_CHARS + 1)],
+                 ["s" * 200 + str(i) for i in range(10_000)]):
+        with pytest.raises(InvalidRequestError, match="at most") as e:
+            SamplingParams(stop=stop)
+        assert e.value.param == "stop"
+
+
+def test_out_of_vocabulary_ids_name_their_field(tiny_llm):
+    engine = tiny_llm.llm_engine
+    for field, value in [("stop_token_ids", [3, 49152]), ("logit_bias", {49152: 1.0}),
+                         ("allowed_token_ids", [49999])]:
+        with pytest.raises(InvalidRequestError, match="49") as e:
+            engine.add_request(PROMPTS[0], SamplingParams(**{field: value}))
+        assert e.value.param == field
+    assert not engine.has_unfinished_requests()
+
+
+# -- stop strings: the automaton equals a plain search ----------------------------------------
+
+def _naive(stops: list[str], text: str, window: tuple[int, int]) -> tuple[int, int] | None:
+    """The earliest-starting stop string whose end lies in the window (lo, hi]; the shortest
+    of those starting there (it is completed first)."""
+    best = None
+    for stop in stops:
+        for start in range(len(text) - len(stop) + 1):
+            stop_end = start + len(stop)
+            if text[start:stop_end] == stop and window[0] < stop_end <= window[1]:
+                best = min(best or (start, len(stop)), (start, len(stop)))
+    return best
+
+
+def _naive_held_back(stops: list[str], text: str) -> int:
+    return max([n for stop in stops for n in range(1, len(stop))
+                if n <= len(text) and text.endswith(stop[:n])], default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(stops=st.lists(st.text("ab\u00e9", min_size=1, max_size=5), min_size=1, max_size=6),
+       chunks=st.lists(st.text("ab\u00e9c", max_size=4), max_size=12))
+@example(stops=["abcd", "c"], chunks=["abcd"])  # a longer string starting earlier wins
+@example(stops=["aa", "a"], chunks=["aa"])  # a tie: the shorter is completed first
+def test_stop_automaton_equals_a_plain_search(stops, chunks):
+    state, text = StopStringState(StopStrings(stops)), ""
+    for chunk in chunks:
+        text += chunk
+        found = state.feed(chunk, len(text))
+        assert found == _naive(stops, text, (len(text) - len(chunk), len(text)))
+        assert state.num_held_back == _naive_held_back(stops, text)
+
+
+def test_stop_strings_cut_the_text_as_before(tiny_llm):
+    [ref] = tiny_llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=24),
+                              use_tqdm=False)
+    text = ref.outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    many = [f"never {i}" for i in range(MAX_STOP_STRINGS - 1)] + [stop]
+    for include in (False, True):
+        [out] = tiny_llm.generate(PROMPTS[2], SamplingParams(
+            temperature=0, max_tokens=24, stop=many, include_stop_str_in_output=include),
+            use_tqdm=False)
+        c = out.outputs[0]
+        cut = text.index(stop) + (len(stop) if include else 0)
+        assert (c.text, c.finish_reason, c.stop_reason) == (text[:cut], "stop", stop)
+
+
+# -- fault isolation --------------------------------------------------------------------------
+
+def _fault_for_seed(seed: int):
+    def hook(out):
+        if any(s.params.seed == seed for s in out.seqs):
+            raise RuntimeError(f"injected fault (seed {seed})")
+    return hook
+
+
+def test_a_step_fault_fails_only_its_request(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir, max_num_seqs=8)
+    good = [SamplingParams(temperature=0, max_tokens=12),
+            SamplingParams(n=2, max_tokens=12, seed=5)]
+    ref = llm.generate(PROMPTS[:2], good, use_tqdm=False)
+    llm.llm_engine.runner.fault_hook = _fault_for_seed(666)
+    bad = SamplingParams(max_tokens=12, seed=666)
+    outs = llm.generate(PROMPTS, good + [bad], use_tqdm=False)
+    assert [[c.text for c in o.outputs] for o in outs[:2]] == \
+        [[c.text for c in r.outputs] for r in ref]
+    assert all(o.error is None for o in outs[:2])
+    failed = outs[2]
+    assert failed.finished and "injected fault (seed 666)" in failed.error
+    assert [c.finish_reason for c in failed.outputs] == ["error"]
+    # The engine goes on serving, and the failed request left no block behind.
+    assert llm.generate(PROMPTS[0], good[0], use_tqdm=False)[0].outputs[0].text == \
+        ref[0].outputs[0].text
+
+
+def test_a_fault_recurring_on_a_fresh_batch_is_fatal(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    llm.llm_engine.runner.fault_hook = _fault_for_seed(None)  # every request without a seed
+    [first] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert first.outputs[0].finish_reason == "error"
+    with pytest.raises(EngineDeadError, match="recurred"):
+        llm.generate(PROMPTS[1], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_one_failed_request_then_a_good_step_is_not_fatal(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    llm.llm_engine.runner.fault_hook = _fault_for_seed(666)
+    for _ in range(3):  # failed, served, failed, served, ...: never two failed steps in a row
+        [bad] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, seed=666), use_tqdm=False)
+        assert bad.outputs[0].finish_reason == "error"
+        [ok] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, seed=1), use_tqdm=False)
+        assert ok.outputs[0].finish_reason == "length"
+
+
+def test_a_lost_kv_pool_is_fatal(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    runner = llm.llm_engine.runner
+
+    def lose_the_pool(out):
+        runner.kv_cache.delete()
+        raise RuntimeError("injected fault after the pool was donated")
+
+    runner.fault_hook = lose_the_pool
+    with pytest.raises(EngineDeadError, match="pool was lost"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4), use_tqdm=False)
