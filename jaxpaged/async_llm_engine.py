@@ -164,12 +164,13 @@ class AsyncLLMEngine:
             pass
 
     async def tokenize_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        """`LLMEngine.tokenize_prompt` on the preprocessing pool."""
-        return await self.preprocess(self.engine.tokenize_prompt, prompt)
+        """`InputProcessor.tokenize_prompt` on the preprocessing pool."""
+        return await self.preprocess(self.engine.input_processor.tokenize_prompt, prompt)
 
     async def chat_prompt(self, messages: list[dict], **template_kwargs) -> tuple[str, list[int]]:
-        """`LLMEngine.chat_prompt` on the preprocessing pool."""
-        return await self.preprocess(lambda: self.engine.chat_prompt(messages, **template_kwargs))
+        """`InputProcessor.chat_prompt` on the preprocessing pool."""
+        processor = self.engine.input_processor
+        return await self.preprocess(lambda: processor.chat_prompt(messages, **template_kwargs))
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, on the preprocessing pool."""

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 from pathlib import Path
 
 import jax
-import jinja2
 import jax.numpy as jnp
 import numpy as np
 from transformers import AutoTokenizer, GenerationConfig
@@ -18,62 +16,19 @@ from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import EngineDeadError, InvalidRequestError
+from jaxpaged.faults import FaultIsolatingExecutor, describe
+from jaxpaged.input_processor import InputProcessor
 from jaxpaged.model_runner import ModelRunner, num_kv_blocks
 from jaxpaged.models import LlamaConfig, load_llama
-from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxpaged.outputs import Logprob, RequestMetrics, RequestOutput
+from jaxpaged.request import Request
 from jaxpaged.pallas_kernels import resolve_attention_backend
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Sequence, completion_seed
 from jaxpaged.stop_strings import StopStringState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer]
-    stop_states: list[StopStringState | None]  # per completion, when the request has stops
-
-    params: SamplingParams
-    metrics: RequestMetrics
-    prompt_logprobs: list | None = None
-    error: str | None = None  # the step fault that failed the request
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished and not s.num_forks for s in self.seqs)
-
-    def output(self) -> RequestOutput:
-        """The request's state; with best_of > n, finished outputs keep the n most likely."""
-        triples = sorted(zip(self.seqs, self.detokenizers, self.stop_states),
-                         key=lambda sdh: sdh[0].index)
-        finished = self.finished
-        if finished and len(triples) > self.params.n:
-            triples = sorted(triples, key=lambda sdh: -sdh[0].cumulative_logprob)[:self.params.n]
-        completions = []
-        for index, (s, d, stop_state) in enumerate(triples):
-            # Text that may still become a stop string is held back until it is decided.
-            held = 0 if s.is_finished or stop_state is None else stop_state.num_held_back
-            text = d.text[:len(d.text) - held]
-            completions.append(CompletionOutput(
-                index if finished else s.index, text, s.output_token_ids, s.cumulative_logprob,
-                s.logprobs, s.finish_reason, s.stop_reason))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             finished, self.prompt_logprobs, self.metrics,
-                             self.seqs[0].num_cached_tokens or 0, self.error)
-
-    def new_stop_state(self) -> StopStringState | None:
-        stops = self.params.stop_strings
-        return None if stops is None else StopStringState(stops)
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
 
 
 def resolve_dtype(dtype: str) -> jnp.dtype:
@@ -115,6 +70,8 @@ class LLMEngine:
                 "num_kv_blocks / kv_cache_memory_bytes or lower max_model_len")
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
+                                              self.scheduler_config.max_model_len)
         self.eos_token_ids = self._eos_token_ids(model_dir)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
@@ -123,15 +80,15 @@ class LLMEngine:
         self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
                                   self.eos_token_ids, self.scheduler_config.max_num_seqs,
                                   self.scheduler_config.max_model_len)
+        self.executor = FaultIsolatingExecutor(self.runner)
         if precompile is True or (precompile == "auto" and self.runner.packed):
             sc = self.scheduler_config
             self.runner.precompile(self.runner.bucket_shapes(
                 sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len))
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
         self._request_ids = itertools.count()
         self._token_texts: dict[int, str] = {}
-        self._num_failed_steps = 0  # steps in a row whose every request failed (see _execute)
         self.num_prompt_tokens = 0  # prompt tokens computed (recomputes included)
         self.num_generation_tokens = 0  # tokens sampled
 
@@ -147,57 +104,14 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt given as text or as `{"prompt_token_ids": [...]}`.
-
-        Raises:
-          ValueError: the prompt is empty, of the wrong type, has out-of-vocabulary ids, or
-            leaves no room for output under `max_model_len`.
-        """
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "prompt is empty")
-            text, ids = prompt, self.tokenizer(prompt).input_ids
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    "prompt", f"prompt_token_ids {bad[:8]} are not ids in [0, {vocab})")
-            ids = [int(t) for t in ids]
-        else:
-            raise InvalidRequestError(
-                "prompt", f"a prompt must be a str or a dict with 'prompt_token_ids', got "
-                f"{type(prompt).__name__}: {prompt!r:.80}")
-        if not ids:
-            raise InvalidRequestError("prompt", f"prompt {prompt!r:.80} has no tokens")
-        max_len = self.scheduler_config.max_model_len
-        if len(ids) >= max_len:
-            raise InvalidRequestError(
-                "prompt", f"prompt has {len(ids)} tokens, which leaves no room for output under "
-                f"max_model_len={max_len}")
-        return text, ids
+        """`InputProcessor.tokenize_prompt`."""
+        return self.input_processor.tokenize_prompt(prompt)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> tuple[str, list[int]]:
-        """(text, token ids) of a conversation rendered with the model's chat template.
-
-        The template adds the special tokens, so the text is tokenized without adding more.
-
-        Raises:
-          ValueError: the conversation is empty or the template rejects it (for example
-            `continue_final_message` with `add_generation_prompt`, or a role it does not know).
-        """
-        if not messages:
-            raise InvalidRequestError("messages", "messages is empty: give at least one message")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message)
-        except jinja2.TemplateError as e:
-            raise InvalidRequestError(
-                "messages", f"the chat template rejected the messages: {e}") from e
-        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+        """`InputProcessor.chat_prompt`."""
+        return self.input_processor.chat_prompt(messages, add_generation_prompt,
+                                                continue_final_message)
 
     def add_request(self, prompt: str | dict, params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -227,7 +141,7 @@ class LLMEngine:
         seq = Sequence(request_id, 0, ids, params, seed)
         seq.num_forks = (params.best_of or params.n) - 1
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        request = _Request(request_id, text, ids, [seq], [detok], [], params,
+        request = Request(request_id, text, ids, [seq], [detok], [], params,
                            RequestMetrics(arrival_time=time.time()))
         request.stop_states.append(request.new_stop_state())
         self.requests[request_id] = request
@@ -266,20 +180,23 @@ class LLMEngine:
         """Schedules and runs one step; returns the outputs of the requests it advanced.
 
         Finished requests are returned once with `finished=True` and then forgotten. A request
-        that a fault in the step is traced to (see `_execute`) is returned finished with
+        that a fault in the step is traced to (see `FaultIsolatingExecutor`) is returned finished with
         `error` set and its completions' `finish_reason` "error"; the others go on.
 
         Raises:
           EngineDeadError: a fatal fault (see `jaxpaged.errors`); the engine is unusable.
         """
-        out = self.scheduler.schedule()
+        try:
+            out = self.scheduler.schedule()
+        except Exception as e:  # its state can no longer be trusted
+            raise EngineDeadError(f"the scheduler failed: {describe(e)}") from e
         if out is None or not out.seqs:
             return []
         now = time.time()
         for seq in out.seqs:
             m = self.requests[seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-        sampled, prompt_lps, failed = self._execute(out)
+        sampled, prompt_lps, failed = self.executor.execute(out)
         now = time.time()
         touched = {}
         for row, (seq, q, row_samples) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
@@ -292,7 +209,7 @@ class LLMEngine:
                     touched[seq.request_id] = request
             except Exception as e:  # in detokenizing or stop checks: this request's own fault
                 logger.exception("request %s failed after its step", seq.request_id)
-                failed[seq.request_id] = _describe(e)
+                failed[seq.request_id] = describe(e)
         for request_id, reason in failed.items():
             touched[request_id] = self._fail(self.requests[request_id], reason)
         outputs = []
@@ -304,7 +221,7 @@ class LLMEngine:
                 del self.requests[request_id]
         return outputs
 
-    def _advance(self, request: _Request, seq: Sequence, q: int, row_samples: list,
+    def _advance(self, request: Request, seq: Sequence, q: int, row_samples: list,
                  prompt_lps: list | None, now: float) -> bool:
         """Books one row's computed tokens and appends its samples; whether it sampled."""
         self.num_prompt_tokens += max(0, min(seq.num_computed_tokens + q,
@@ -327,61 +244,7 @@ class LLMEngine:
 
     # -- faults -----------------------------------------------------------------------------
 
-    def _execute(self, out: SchedulerOutput) -> tuple[list, dict, dict[str, str]]:
-        """`runner.execute(out)`, isolating a fault to the requests it comes from.
-
-        If the step raises, it is run again one request at a time (re-running is safe: it writes
-        the same K/V to the same slots, and seeded sampling draws the same tokens). A request
-        whose run raises alone fails; the others' results stand.
-
-        Returns:
-          (samples per row, {row: prompt logprobs}, {failed request id: reason}).
-
-        Raises:
-          EngineDeadError: the KV pool was lost with the fault, or every request of this step
-            and of the step before failed alone (a fault that recurs on a fresh batch).
-        """
-        try:
-            sampled, prompt_lps = self.runner.execute(out)
-            self._num_failed_steps = 0
-            return sampled, prompt_lps, {}
-        except Exception as fault:
-            self._check_pool(fault)
-            logger.warning("a step of %d rows raised %s; running its requests one at a time",
-                           len(out.seqs), _describe(fault))
-        rows_of: dict[str, list[int]] = {}
-        for row, seq in enumerate(out.seqs):
-            rows_of.setdefault(seq.request_id, []).append(row)
-        if out.blocks_to_copy:  # once, before any rerun writes into the copied blocks
-            self.runner.apply_copies(out.blocks_to_copy)
-        sampled, prompt_lps, failed = [[] for _ in out.seqs], {}, {}
-        for request_id, rows in rows_of.items():
-            part = SchedulerOutput([out.seqs[r] for r in rows],
-                                   [out.num_scheduled_tokens[r] for r in rows], [])
-            try:
-                part_sampled, part_lps = self.runner.execute(part)
-            except Exception as e:
-                self._check_pool(e)
-                logger.error("request %s failed in a step: %s", request_id, _describe(e),
-                             exc_info=e)
-                failed[request_id] = _describe(e)
-                continue
-            for i, row in enumerate(rows):
-                sampled[row] = part_sampled[i]
-            prompt_lps.update({rows[i]: lps for i, lps in part_lps.items()})
-        if len(failed) < len(rows_of):
-            self._num_failed_steps = 0
-        else:
-            self._num_failed_steps += 1
-            if self._num_failed_steps > 1:
-                raise EngineDeadError("a step fault recurred on a fresh batch")
-        return sampled, prompt_lps, failed
-
-    def _check_pool(self, fault: Exception) -> None:
-        if self.runner.kv_cache.is_deleted():
-            raise EngineDeadError("the KV pool was lost with a fault in the step") from fault
-
-    def _fail(self, request: _Request, reason: str) -> _Request:
+    def _fail(self, request: Request, reason: str) -> Request:
         """Ends every sequence of `request` with finish reason "error" and frees its blocks."""
         request.error = reason
         for seq in request.seqs:
@@ -390,7 +253,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, "error")
         return request
 
-    def _prompt_logprob_dicts(self, request: _Request, rows: list) -> list:
+    def _prompt_logprob_dicts(self, request: Request, rows: list) -> list:
         """vLLM's prompt_logprobs: None for the first token, then {id: Logprob} per token."""
         return [None] + [self._logprob_entry(token_id, lp, rank, top) for token_id, (lp, rank, top)
                          in zip(request.prompt_token_ids[1:], rows)]
@@ -411,7 +274,7 @@ class LLMEngine:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _fork(self, request: _Request, parent: Sequence, j: int) -> Sequence:
+    def _fork(self, request: Request, parent: Sequence, j: int) -> Sequence:
         """The j-th completion, sharing the parent's prompt blocks; seeded `seed + j`."""
         child = parent.fork(index=j, seed=completion_seed(parent.seed, j))
         self.scheduler.fork(parent, child)

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from pydantic import BaseModel
 
 from jaxpaged.async_llm_engine import AsyncLLMEngine, RequestStream
-from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from jaxpaged.errors import EngineDeadError, RequestFailedError
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server import protocol as api
 from jaxpaged.server.logprobs import chat_logprobs, completion_logprobs

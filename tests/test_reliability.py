@@ -4,10 +4,11 @@ text, and faults in a step isolated to the request they come from."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jaxpaged import (BeamSearchParams, EngineDeadError, InvalidRequestError, SamplingParams)
@@ -95,6 +96,31 @@ def test_out_of_vocabulary_ids_name_their_field(tiny_llm):
             engine.add_request(PROMPTS[0], SamplingParams(**{field: value}))
         assert e.value.param == field
     assert not engine.has_unfinished_requests()
+
+
+def test_a_preempted_prompt_logprobs_request_is_not_stuck(make_llm, tiny_model_dir):
+    """Found by the property test below: a request with prompt_logprobs, preempted once its
+    prompt and output exceeded max_num_batched_tokens, waited at the head of the queue forever
+    (its recompute was held to one unchunked step)."""
+    llm = make_llm(tiny_model_dir, max_model_len=128, num_kv_blocks=8,
+                   max_num_batched_tokens=32)
+    engine = llm.llm_engine
+    greedy = dict(temperature=0, ignore_eos=True)
+    first = engine.add_request({"prompt_token_ids": list(range(200, 230))},
+                               SamplingParams(max_tokens=60, **greedy))
+    engine.step()  # admitted first, so the other one is the preemption victim
+    scored = SamplingParams(max_tokens=40, prompt_logprobs=1, **greedy)
+    second = engine.add_request({"prompt_token_ids": list(range(100, 130))}, scored)
+    finished = {}
+    for _ in range(1000):
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        if len(finished) == 2:
+            break
+    assert sorted(finished) == sorted([first, second])
+    assert engine.scheduler.num_preemptions > 0
+    [alone] = llm.generate({"prompt_token_ids": list(range(100, 130))}, scored, use_tqdm=False)
+    assert finished[second].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert len(finished[second].prompt_logprobs) == 30
 
 
 # -- stop strings: the automaton equals a plain search ----------------------------------------
@@ -203,3 +229,71 @@ def test_a_lost_kv_pool_is_fatal(make_llm, tiny_model_dir):
     runner.fault_hook = lose_the_pool
     with pytest.raises(EngineDeadError, match="pool was lost"):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+# -- property: any valid SamplingParams completes and frees every block ------------------------
+
+floats = functools.partial(st.floats, allow_subnormal=False)  # XLA's CPU runtime flushes them
+TOKEN = st.integers(0, 49151)
+
+
+@st.composite
+def sampling_params(draw) -> SamplingParams:
+    """Any SamplingParams from the valid ranges (short outputs, to keep examples fast)."""
+    n = draw(st.integers(1, 4))
+    max_tokens = draw(st.integers(1, 20))
+    return SamplingParams(
+        n=n, best_of=draw(st.none() | st.integers(n, 5)), max_tokens=max_tokens,
+        min_tokens=draw(st.integers(0, max_tokens)),
+        temperature=draw(st.just(0.0) | floats(0, 2)), top_p=draw(floats(1e-3, 1)),
+        top_k=draw(st.integers(-1, 100)), min_p=draw(floats(0, 1)),
+        presence_penalty=draw(floats(-2, 2)), frequency_penalty=draw(floats(-2, 2)),
+        repetition_penalty=draw(floats(0.1, 3)), seed=draw(st.none() | st.integers(0, 2**64 - 1)),
+        stop=draw(st.lists(st.text(min_size=1, max_size=3), max_size=4)),
+        stop_token_ids=draw(st.lists(TOKEN, max_size=3)),
+        include_stop_str_in_output=draw(st.booleans()), ignore_eos=draw(st.booleans()),
+        logprobs=draw(st.none() | st.integers(0, 20)),
+        prompt_logprobs=draw(st.none() | st.integers(0, 20)),
+        skip_special_tokens=draw(st.booleans()),
+        logit_bias=draw(st.dictionaries(TOKEN, floats(-100, 100), max_size=3)),
+        allowed_token_ids=draw(st.none() | st.lists(TOKEN, min_size=1, max_size=5)))
+
+
+@pytest.fixture(scope="module")
+def tight_llm(tiny_model_dir):
+    """A pool of 12 blocks (192 tokens) and 48-token steps: forks preempt one another and
+    prompts are chunked."""
+    from jaxpaged import LLM
+    return LLM(tiny_model_dir, max_model_len=128, num_kv_blocks=12, max_num_seqs=8,
+               max_num_batched_tokens=48)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(params=sampling_params(), prompts=st.lists(st.sampled_from(PROMPTS + ["Hi " * 30]),
+                                                  min_size=1, max_size=3))
+@example(params=SamplingParams(logprobs=0, temperature=0, max_tokens=2), prompts=["Hello"])
+@example(params=SamplingParams(n=4, best_of=5, max_tokens=20, ignore_eos=True),
+         prompts=["Hi " * 30] * 3)
+def test_any_valid_sampling_params_complete_and_free_every_block(tight_llm, params, prompts):
+    engine = tight_llm.llm_engine
+    request_ids = [engine.add_request(p, params) for p in prompts]
+    finished = {}
+    for _ in range(5000):  # a bound, so that a request that never finishes fails, not hangs
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        if len(finished) == len(request_ids):
+            break
+    assert sorted(finished) == sorted(request_ids)
+    for out in finished.values():
+        assert out.error is None and len(out.outputs) == params.n
+        for c in out.outputs:
+            assert c.finish_reason in ("stop", "length") and 1 <= len(c.token_ids)
+            assert len(c.token_ids) <= params.max_tokens
+            if params.logprobs is not None:
+                assert len(c.logprobs) == len(c.token_ids)
+                assert all(t in entry and len(entry) <= params.logprobs + 1
+                           for t, entry in zip(c.token_ids, c.logprobs))
+        if params.prompt_logprobs is not None:
+            assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    stats = tight_llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    assert stats["num_running"] == stats["num_waiting"] == 0, stats

@@ -1,0 +1,89 @@
+"""Fault isolation for engine steps: a step that raises fails only the requests it comes from.
+
+A step runs many requests' rows in one model call, so an exception does not say whose input
+caused it. `FaultIsolatingExecutor` runs such a step again one request at a time: rerunning is
+safe, because a step writes the same K/V to the same pool slots and a seeded sample draws the
+same token however often it is drawn (`sampler._sample_key`). A request whose run still raises on
+its own is failed; the others keep the results of their runs. Which faults are fatal instead is
+listed in `jaxpaged.errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from jaxpaged.errors import EngineDeadError
+from jaxpaged.model_runner import ModelRunner
+from jaxpaged.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def describe(e: BaseException) -> str:
+    """An exception as "Type: message", the reason a failed request is given."""
+    return f"{type(e).__name__}: {e}"
+
+
+class FaultIsolatingExecutor:
+    """`ModelRunner.execute` with a step's faults isolated to its requests."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.num_failed_steps = 0  # steps in a row in which every request failed alone
+
+    def execute(self, out: SchedulerOutput) -> tuple[list, dict, dict[str, str]]:
+        """Runs one scheduled step.
+
+        Returns:
+          (samples per row, {row: prompt logprobs}) as `ModelRunner.execute` returns them, and
+          {request id: reason} for the requests whose rows raised when run alone (their rows'
+          samples are empty).
+
+        Raises:
+          EngineDeadError: the KV pool was lost with the fault, or every request of this step
+            and of the step before it failed alone (a fault that recurs on a fresh batch).
+        """
+        try:
+            sampled, prompt_lps = self.runner.execute(out)
+        except Exception as fault:
+            self._check_pool(fault)
+            logger.warning("a step of %d rows raised %s; running its requests one at a time",
+                           len(out.seqs), describe(fault))
+            return self._execute_alone(out)
+        self.num_failed_steps = 0
+        return sampled, prompt_lps, {}
+
+    def _execute_alone(self, out: SchedulerOutput) -> tuple[list, dict, dict[str, str]]:
+        rows_of: dict[str, list[int]] = {}
+        for row, seq in enumerate(out.seqs):
+            rows_of.setdefault(seq.request_id, []).append(row)
+        if out.blocks_to_copy:  # once, before any rerun writes into the copied blocks
+            self.runner.apply_copies(out.blocks_to_copy)
+        sampled, prompt_lps, failed = [[] for _ in out.seqs], {}, {}
+        for request_id, rows in rows_of.items():
+            part = SchedulerOutput([out.seqs[r] for r in rows],
+                                   [out.num_scheduled_tokens[r] for r in rows], [])
+            try:
+                part_sampled, part_lps = self.runner.execute(part)
+            except Exception as e:
+                self._check_pool(e)
+                logger.error("request %s failed in a step: %s", request_id, describe(e),
+                             exc_info=e)
+                failed[request_id] = describe(e)
+                continue
+            for i, row in enumerate(rows):
+                sampled[row] = part_sampled[i]
+            prompt_lps.update({rows[i]: lps for i, lps in part_lps.items()})
+        if len(failed) < len(rows_of):
+            self.num_failed_steps = 0
+        else:
+            self.num_failed_steps += 1
+            if self.num_failed_steps > 1:
+                raise EngineDeadError("a step fault recurred on a fresh batch")
+        return sampled, prompt_lps, failed
+
+    def _check_pool(self, fault: Exception) -> None:
+        """A fault inside the compiled step, after the pool was donated, takes the pool with
+        it: every running sequence's K/V is gone, which is fatal."""
+        if self.runner.kv_cache.is_deleted():
+            raise EngineDeadError("the KV pool was lost with a fault in the step") from fault
