@@ -53,7 +53,7 @@ class AsyncLLMEngine:
         self._has_work: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._stats = engine.stats()  # as of the last call into the engine
-        self.dead: BaseException | None = None  # the error that stopped the step loop
+        self.dead: EngineDeadError | None = None  # what stopped the step loop
 
     @property
     def tokenizer(self):
@@ -121,7 +121,7 @@ class AsyncLLMEngine:
           EngineDeadError: the step loop has stopped on a fatal fault.
         """
         if self.dead is not None:
-            raise EngineDeadError(f"the engine stopped: {self.dead}") from self.dead
+            raise self.dead
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.start()
@@ -196,9 +196,12 @@ class AsyncLLMEngine:
                 raise
             except Exception as e:  # fatal (per-request faults come back as failed outputs)
                 logger.exception("a fatal fault stopped the engine")
+                if not isinstance(e, EngineDeadError):
+                    dead = EngineDeadError(f"a step raised {type(e).__name__}: {e}")
+                    dead.__cause__, e = e, dead
                 self.dead = e
                 for stream in self._streams.values():
-                    stream.put(e)
+                    stream.put(self.dead)
                 self._streams.clear()
                 for callback in self._dead_callbacks:
                     callback()
@@ -246,7 +249,7 @@ class RequestStream:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.finished = True
-            raise EngineDeadError(f"the engine stopped: {item}") from item
+            raise item
         self.finished = item.finished
         if item.error is not None:
             raise RequestFailedError(item.error)

@@ -21,7 +21,7 @@ from jaxpaged.input_processor import InputProcessor
 from jaxpaged.model_runner import ModelRunner, num_kv_blocks
 from jaxpaged.models import LlamaConfig, load_llama
 from jaxpaged.outputs import Logprob, RequestMetrics, RequestOutput
-from jaxpaged.request import Request
+from jaxpaged.request import Request, new_stop_state
 from jaxpaged.pallas_kernels import resolve_attention_backend
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
@@ -141,10 +141,9 @@ class LLMEngine:
         seq = Sequence(request_id, 0, ids, params, seed)
         seq.num_forks = (params.best_of or params.n) - 1
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        request = Request(request_id, text, ids, [seq], [detok], [], params,
-                           RequestMetrics(arrival_time=time.time()))
-        request.stop_states.append(request.new_stop_state())
-        self.requests[request_id] = request
+        self.requests[request_id] = Request(request_id, text, ids, [seq], [detok],
+                                            [new_stop_state(params)], params,
+                                            RequestMetrics(arrival_time=time.time()))
         self.scheduler.add(seq)
         return request_id
 
@@ -180,8 +179,8 @@ class LLMEngine:
         """Schedules and runs one step; returns the outputs of the requests it advanced.
 
         Finished requests are returned once with `finished=True` and then forgotten. A request
-        that a fault in the step is traced to (see `FaultIsolatingExecutor`) is returned finished with
-        `error` set and its completions' `finish_reason` "error"; the others go on.
+        that a fault in the step is traced to (see `FaultIsolatingExecutor`) is returned
+        finished, with `error` set and its completions' finish_reason "error"; the others go on.
 
         Raises:
           EngineDeadError: a fatal fault (see `jaxpaged.errors`); the engine is unusable.
@@ -281,7 +280,7 @@ class LLMEngine:
         request.seqs.append(child)
         request.detokenizers.append(IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, parent.params.skip_special_tokens))
-        request.stop_states.append(request.new_stop_state())
+        request.stop_states.append(new_stop_state(parent.params))
         return child
 
     def _append_token(self, seq: Sequence, sampled, detok: IncrementalDetokenizer,

@@ -51,6 +51,7 @@ class Request:
                              finished, self.prompt_logprobs, self.metrics,
                              self.seqs[0].num_cached_tokens or 0, self.error)
 
-    def new_stop_state(self) -> StopStringState | None:
-        stops = self.params.stop_strings
-        return None if stops is None else StopStringState(stops)
+
+def new_stop_state(params: SamplingParams) -> StopStringState | None:
+    """A completion's start in its request's stop-string automaton (None without stops)."""
+    return None if params.stop_strings is None else StopStringState(params.stop_strings)

@@ -17,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from server_utils import ServerThread
 
@@ -448,6 +448,12 @@ FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=list(Healt
 
 @FUZZ
 @given(body=_bodies(COMPLETIONS, "prompt"))
+# Defects found before (the review's, and the fuzzer's on the code before this file):
+@example(body={"prompt": "Hello", "max_tokens": 2, "temperature": 0, "logprobs": 0})
+@example(body={"prompt": "Hi", "max_tokens": 4, "n": 300})
+@example(body={"prompt": "Hi", "max_tokens": 0, "echo": True, "logprobs": 1})
+@example(body={"prompt": "Hi", "logit_bias": {"49152": 1.0}})
+@example(body={"prompt": "Hi", "max_tokens": "4", "stream": "yes"})
 def test_fuzzed_completions_never_fail_the_server(server, body):
     _check_any_answer(server, "/v1/completions", body)
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -455,6 +461,9 @@ def test_fuzzed_completions_never_fail_the_server(server, body):
 
 @FUZZ
 @given(body=_bodies(CHAT, "messages"))
+@example(body={"messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+               "max_tokens": 2})
+@example(body={"messages": [{"role": "user", "content": "Hi"}], "best_of": 300, "n": 300})
 def test_fuzzed_chat_completions_never_fail_the_server(server, body):
     _check_any_answer(server, "/v1/chat/completions", body)
     assert httpx.get(f"{server.url}/health").status_code == 200
