@@ -26,7 +26,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from jaxpaged.errors import EngineDeadError, RequestFailedError
+from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from jaxpaged.llm_engine import LLMEngine
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
@@ -112,7 +112,8 @@ class AsyncLLMEngine:
         """Queues a request; returns the stream of its outputs. Validates before queueing.
 
         Args:
-          prompt: text, or `{"prompt_token_ids": [...], "prompt": optional text}`.
+          prompt: text (tokenized on the preprocessing pool), or
+            `{"prompt_token_ids": [...], "prompt": optional text}`.
           request_id: unique among unfinished requests.
 
         Raises:
@@ -120,10 +121,16 @@ class AsyncLLMEngine:
             naming the field (nothing was queued).
           EngineDeadError: the step loop has stopped on a fatal fault.
         """
-        if self.dead is not None:
-            raise self.dead
+        self._raise_if_dead()
         if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, ids = await self.tokenize_prompt(prompt)
+            prompt = {"prompt": text, "prompt_token_ids": ids}
+            self._raise_if_dead()
+            if request_id in self._streams:
+                raise InvalidRequestError("request_id",
+                                          f"request_id {request_id!r} is already in use")
         self.start()
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
@@ -137,6 +144,10 @@ class AsyncLLMEngine:
             raise
         self._has_work.set()
         return stream
+
+    def _raise_if_dead(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead)) from self.dead
 
     async def generate(self, prompt: str | dict, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -211,7 +222,7 @@ class AsyncLLMEngine:
                 if stream is not None:
                     stream.put(output)
                     if output.finished:
-                        del self._streams[output.request_id]
+                        self._streams.pop(output.request_id, None)
             # Requests added while the step ran are in the engine already (their add ran on
             # the worker before this check could), so this never clears a pending wake-up.
             if not self.engine.has_unfinished_requests():
@@ -249,7 +260,7 @@ class RequestStream:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.finished = True
-            raise item
+            raise EngineDeadError(str(item)) from item
         self.finished = item.finished
         if item.error is not None:
             raise RequestFailedError(item.error)

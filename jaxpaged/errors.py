@@ -7,9 +7,14 @@
   blocks are freed and the others go on. Over HTTP it is a 500 with the reason.
 - `EngineDeadError`: the engine stopped. A step fault is fatal when the KV pool was lost with it
   (a fault inside the compiled step after the pool was donated), when it is outside the model
-  step (the scheduler), or when it recurs on the next batch after a step whose every request
-  failed alone. Every unfinished request fails with it, `/health` answers 503 and
-  `jaxpaged serve` exits with status 1, so that a supervisor restarts it.
+  step (the scheduler, copy-on-write copies), or when it recurs without any request: after a
+  step in which every request failed alone, a step of padding alone raises too
+  (`jaxpaged.faults`). Every unfinished request fails with it, later calls raise it,
+  `/health` answers 503 and `jaxpaged serve` exits with status 1, so that a supervisor
+  restarts it.
+
+Beam search (`LLM.beam_search`) runs its steps itself, without this isolation: a fault there
+raises to the caller.
 """
 
 from __future__ import annotations

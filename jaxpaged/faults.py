@@ -1,16 +1,25 @@
 """Fault isolation for engine steps: a step that raises fails only the requests it comes from.
 
 A step runs many requests' rows in one model call, so an exception does not say whose input
-caused it. `FaultIsolatingExecutor` runs such a step again one request at a time: rerunning is
-safe, because a step writes the same K/V to the same pool slots and a seeded sample draws the
-same token however often it is drawn (`sampler._sample_key`). A request whose run still raises on
-its own is failed; the others keep the results of their runs. Which faults are fatal instead is
-listed in `jaxpaged.errors`.
+caused it. `FaultIsolatingExecutor` runs such a step again one request at a time. Rerunning is
+safe: a step writes the same K/V to the same pool slots (a copy-on-write copy applied again
+restores slots that the rerun then writes again), a seeded sample draws the same token however
+often it is drawn (`sampler._sample_key`), and blocks enter the prefix cache only after a step
+succeeds. A request whose run still raises on its own is failed; the others keep the results of
+their runs.
+
+When every request of a step failed alone, the fault may not be theirs: the runner then probes
+the device with a step of padding alone (`ModelRunner.probe`). If that raises too, the fault
+recurs without any request and is fatal; otherwise the engine goes on, so that a client who
+retries a request that always fails (OpenAI's SDK retries a 500 twice) never stops the engine.
+The other fatal faults are listed in `jaxpaged.errors`.
 """
 
 from __future__ import annotations
 
 import logging
+
+import jax
 
 from jaxpaged.errors import EngineDeadError
 from jaxpaged.model_runner import ModelRunner
@@ -29,7 +38,6 @@ class FaultIsolatingExecutor:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.num_failed_steps = 0  # steps in a row in which every request failed alone
 
     def execute(self, out: SchedulerOutput) -> tuple[list, dict, dict[str, str]]:
         """Runs one scheduled step.
@@ -40,25 +48,27 @@ class FaultIsolatingExecutor:
           samples are empty).
 
         Raises:
-          EngineDeadError: the KV pool was lost with the fault, or every request of this step
-            and of the step before it failed alone (a fault that recurs on a fresh batch).
+          EngineDeadError: the KV pool was lost with the fault, copy-on-write copies failed, or
+            every request failed alone and a padding-only step raised too.
         """
         try:
-            sampled, prompt_lps = self.runner.execute(out)
+            return *self.runner.execute(out), {}
         except Exception as fault:
             self._check_pool(fault)
             logger.warning("a step of %d rows raised %s; running its requests one at a time",
-                           len(out.seqs), describe(fault))
+                           len(out.seqs), describe(fault), exc_info=fault)
             return self._execute_alone(out)
-        self.num_failed_steps = 0
-        return sampled, prompt_lps, {}
 
     def _execute_alone(self, out: SchedulerOutput) -> tuple[list, dict, dict[str, str]]:
         rows_of: dict[str, list[int]] = {}
         for row, seq in enumerate(out.seqs):
             rows_of.setdefault(seq.request_id, []).append(row)
-        if out.blocks_to_copy:  # once, before any rerun writes into the copied blocks
-            self.runner.apply_copies(out.blocks_to_copy)
+        if out.blocks_to_copy:  # the reruns write into the copies: they must be in place
+            try:
+                self.runner.apply_copies(out.blocks_to_copy)
+            except Exception as e:
+                self._check_pool(e)
+                raise EngineDeadError(f"copy-on-write copies failed: {describe(e)}") from e
         sampled, prompt_lps, failed = [[] for _ in out.seqs], {}, {}
         for request_id, rows in rows_of.items():
             part = SchedulerOutput([out.seqs[r] for r in rows],
@@ -74,16 +84,24 @@ class FaultIsolatingExecutor:
             for i, row in enumerate(rows):
                 sampled[row] = part_sampled[i]
             prompt_lps.update({rows[i]: lps for i, lps in part_lps.items()})
-        if len(failed) < len(rows_of):
-            self.num_failed_steps = 0
-        else:
-            self.num_failed_steps += 1
-            if self.num_failed_steps > 1:
-                raise EngineDeadError("a step fault recurred on a fresh batch")
+        if len(failed) == len(rows_of):
+            try:
+                self.runner.probe()
+            except Exception as e:
+                self._check_pool(e)
+                raise EngineDeadError(f"the fault recurs on a step without any request: "
+                                      f"{describe(e)}") from e
         return sampled, prompt_lps, failed
 
     def _check_pool(self, fault: Exception) -> None:
         """A fault inside the compiled step, after the pool was donated, takes the pool with
-        it: every running sequence's K/V is gone, which is fatal."""
-        if self.runner.kv_cache.is_deleted():
+        it (on an accelerator it may show only when the pool is next read): every running
+        sequence's K/V is gone, which is fatal."""
+        try:
+            lost = self.runner.kv_cache.is_deleted()
+            if not lost:
+                jax.block_until_ready(self.runner.kv_cache)
+        except Exception:
+            lost = True
+        if lost:
             raise EngineDeadError("the KV pool was lost with a fault in the step") from fault

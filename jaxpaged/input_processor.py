@@ -20,6 +20,9 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # transformers resets a tokenizer's saved truncation or padding on its first encode,
+        # a write that must not race with other threads' encodes and decodes: do it now.
+        tokenizer("warm-up")
 
     def tokenize_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text or as `{"prompt_token_ids": [...]}`.

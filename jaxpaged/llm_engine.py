@@ -89,6 +89,8 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
         self._request_ids = itertools.count()
         self._token_texts: dict[int, str] = {}
+        self.dead: EngineDeadError | None = None  # set by a fatal fault: no step runs after it
+        self.num_failed_requests = 0  # requests failed by a fault in a step
         self.num_prompt_tokens = 0  # prompt tokens computed (recomputes included)
         self.num_generation_tokens = 0  # tokens sampled
 
@@ -123,6 +125,8 @@ class LLMEngine:
           than `max_num_seqs` runs at once; `prompt_logprobs` over a prompt longer than
           `max_num_batched_tokens` (it is computed in one step); a request id in use.
         """
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead)) from self.dead
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {params!r:.80}")
         params.check_vocab(self.model_config.vocab_size)
@@ -185,17 +189,24 @@ class LLMEngine:
         Raises:
           EngineDeadError: a fatal fault (see `jaxpaged.errors`); the engine is unusable.
         """
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead)) from self.dead
         try:
             out = self.scheduler.schedule()
         except Exception as e:  # its state can no longer be trusted
-            raise EngineDeadError(f"the scheduler failed: {describe(e)}") from e
+            self.dead = EngineDeadError(f"the scheduler failed: {describe(e)}")
+            raise self.dead from e
         if out is None or not out.seqs:
             return []
         now = time.time()
         for seq in out.seqs:
             m = self.requests[seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-        sampled, prompt_lps, failed = self.executor.execute(out)
+        try:
+            sampled, prompt_lps, failed = self.executor.execute(out)
+        except EngineDeadError as e:
+            self.dead = e
+            raise
         now = time.time()
         touched = {}
         for row, (seq, q, row_samples) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
@@ -211,6 +222,7 @@ class LLMEngine:
                 failed[seq.request_id] = describe(e)
         for request_id, reason in failed.items():
             touched[request_id] = self._fail(self.requests[request_id], reason)
+            self.num_failed_requests += 1
         outputs = []
         for request_id, request in touched.items():
             if request.finished:
@@ -321,7 +333,7 @@ class LLMEngine:
         num_shared_blocks, num_cow_copies, num_running, num_waiting (sequences),
         num_running_requests, num_waiting_requests (requests with a running sequence / with
         all sequences waiting), and the running totals num_preemptions, num_prompt_tokens,
-        num_generation_tokens, num_prefix_cache_queries / num_prefix_cache_hits (full prompt
+        num_generation_tokens, num_failed_requests (failed by a fault in a step), num_prefix_cache_queries / num_prefix_cache_hits (full prompt
         blocks looked up in / found in the prefix cache); num_compilations (shapes the model step
         is compiled for)."""
         bm, scheduler = self.block_manager, self.scheduler
@@ -342,5 +354,6 @@ class LLMEngine:
             "num_prefix_cache_hits": bm.num_cache_hits,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
+            "num_failed_requests": self.num_failed_requests,
             "num_compilations": self.runner.num_compilations,
         }

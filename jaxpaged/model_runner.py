@@ -177,15 +177,7 @@ class ModelRunner:
         first run on CPU costs 0.1-0.5 s more than the later ones, which would otherwise land
         on a request. Larger shapes take seconds a step, and are left to pay it when met."""
         for B, Q, C in tqdm(shapes, desc="Compiling step shapes", disable=not progress):
-            if self.packed:
-                batch = self.prepare_packed([], [], T=Q, NB=C)
-            else:
-                zeros = np.zeros((B, Q), np.int32)
-                flat = self.flat_context
-                batch = ModelInput(zeros, zeros, np.full((B, Q), PAD_SLOT_ID, np.int32),
-                                   np.zeros((B, 0 if flat else C), np.int32),
-                                   np.zeros((B,), np.int32), np.zeros((B,), np.int32),
-                                   *(_padding_context(C, B) if flat else ()))
+            batch = self._padding_batch(B, Q, C)
             key = self._shape_key(batch, False)
             if key in self._compiled:
                 continue
@@ -196,6 +188,31 @@ class ModelRunner:
                 # Runs while the next shape compiles (dispatch is asynchronous).
                 _, self.kv_cache = compiled(self.params, self.kv_cache, batch)
         jax.block_until_ready(self.kv_cache)
+
+    def _padding_batch(self, B: int, Q: int, C: int) -> ModelInput:
+        """A padding-only input of shape (B, Q, C) (see `bucket_shapes`): it writes nothing."""
+        if self.packed:
+            return self.prepare_packed([], [], T=Q, NB=C)
+        zeros, flat = np.zeros((B, Q), np.int32), self.flat_context
+        return ModelInput(zeros, zeros, np.full((B, Q), PAD_SLOT_ID, np.int32),
+                          np.zeros((B, 0 if flat else C), np.int32),
+                          np.zeros((B,), np.int32), np.zeros((B,), np.int32),
+                          *(_padding_context(C, B) if flat else ()))
+
+    def probe(self) -> None:
+        """Runs the smallest padding-only step and a greedy draw from its first logits row,
+        writing nothing to the pool: whether the device and the compiled step work with no
+        request in them. Raises whatever they raise (`FaultIsolatingExecutor` calls it after a
+        step in which every request failed alone)."""
+        if self.fault_hook is not None:
+            self.fault_hook(SchedulerOutput([], [], []))
+        C = self._num_context_entries(1) if self.packed else 1
+        logits = self._run_step(self._padding_batch(1, 1, C))
+        one = np.zeros((1,), np.int32)
+        md = SamplingMetadata(row=one, temperature=one.astype(np.float32), top_k=one,
+                              top_p=np.ones((1,), np.float32), min_p=one.astype(np.float32),
+                              seeds=np.zeros((1, 2), np.uint32), output_index=one)
+        jax.block_until_ready(sample_jit(logits[:1], md, all_greedy=True, num_logprobs=0))
 
     def execute(self, out: SchedulerOutput) -> tuple[list[list[SampledToken]], dict]:
         """Runs one scheduled step: with the "cpu" backend all its sequences packed in one call

@@ -134,9 +134,9 @@ async def _parse(request: Request, model: type[pydantic.BaseModel]):
         raise APIError(f"{path}: {first['msg']}" if path else first["msg"],
                        param=str(first["loc"][0]) if first["loc"] else None) from e
     ignored = api.ignored_fields(parsed)
-    if ignored:
-        logger.warning("%s %s: ignored unknown fields %s", request.method, request.url.path,
-                       ", ".join(ignored))
+    if ignored:  # the names are the client's: quoted, and at most 10 of them
+        logger.warning("%s %s: ignored %d unknown field(s): %s", request.method,
+                       request.url.path, len(ignored), ", ".join(map(repr, ignored[:10])))
     return parsed
 
 
@@ -205,8 +205,9 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
 def run_server(llm: jaxpaged.LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, model_root: str | None = None,
                log_level: str = "info") -> int:
-    """Serves `llm`'s engine with uvicorn until interrupted (returns 0) or until a fatal fault
-    stops the engine (returns 1: the exit status of `jaxpaged serve`, for a supervisor)."""
+    """Serves `llm`'s engine with uvicorn until interrupted (returns 0), or until a fatal fault
+    stops the engine or the server cannot start, say on a port in use (returns 1: the exit
+    status of `jaxpaged serve`, for a supervisor)."""
     import uvicorn
 
     _log_like_uvicorn(log_level)
@@ -214,7 +215,12 @@ def run_server(llm: jaxpaged.LLM, model_name: str, host: str = "127.0.0.1", port
     app = build_app(engine, model_name, api_key, model_root)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     engine.on_dead(lambda: setattr(server, "should_exit", True))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        pass
+    if not server.started:
+        return 1
     if engine.dead is not None:
         logger.error("exiting: the engine stopped on a fatal fault (%s)", engine.dead)
         return 1

@@ -47,6 +47,9 @@ class _EngineCollector:
                            s["num_generation_tokens"])
         yield self._family(counter, "num_preemptions", "Sequences preempted by recompute.",
                            s["num_preemptions"])
+        yield self._family(counter, "num_requests_failed",
+                           "Requests failed by a fault in an engine step (500s).",
+                           s["num_failed_requests"])
 
 
 class ServerMetrics:

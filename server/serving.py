@@ -65,9 +65,9 @@ class OpenAIServing:
     # -- shared steps -----------------------------------------------------------------------
 
     def _max_tokens(self, requested: int | None, num_prompt_tokens: int,
-                    prompt_param: str = "prompt") -> int:
-        """`requested`, or all the room left when None; 400 past `max_model_len` (naming
-        `prompt_param` if the prompt alone leaves no room)."""
+                    prompt_param: str = "prompt", param: str = "max_tokens") -> int:
+        """`requested`, or all the room left when None; 400 past `max_model_len` naming
+        `param`, or `prompt_param` if the prompt alone leaves no room."""
         limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
             raise APIError(f"the prompt has {num_prompt_tokens} tokens, which leaves no room for "
@@ -79,8 +79,8 @@ class OpenAIServing:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, "
-                f"{requested} for the completion). Reduce the prompt or max_tokens.",
-                param="max_tokens")
+                f"{requested} for the completion). Reduce the prompt or {param}.",
+                param=param)
         return requested
 
     async def _tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
@@ -98,7 +98,9 @@ class OpenAIServing:
         streams = []
         try:
             for i, (text, ids) in enumerate(prompts):
-                params = make_params(ids)
+                # Validation (and a stop-string automaton) can take a while for a large request:
+                # off the event loop, as tokenization is.
+                params = await self.engine.preprocess(make_params, ids)
                 streams.append(await self.engine.add_request(
                     {"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}"))
         except (ValueError, EngineDeadError) as e:
@@ -268,14 +270,15 @@ class OpenAIServing:
         requested = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
 
+        max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+
         def make_params(ids):
-            return req.sampling_params(self._max_tokens(requested, len(ids), "messages"),
-                                       logprobs)
+            return req.sampling_params(
+                self._max_tokens(requested, len(ids), "messages", max_param), logprobs)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, [prompt], make_params, {
-            "prompt": "messages", "logprobs": "top_logprobs",
-            "max_tokens": "max_completion_tokens" if req.max_completion_tokens else "max_tokens"})
+            "prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_param})
         if req.stream:
             return _closing(self._chat_stream(req, request_id, streams), streams)
         [final] = await self._final_outputs(streams)

@@ -199,23 +199,66 @@ def test_a_step_fault_fails_only_its_request(make_llm, tiny_model_dir):
         ref[0].outputs[0].text
 
 
-def test_a_fault_recurring_on_a_fresh_batch_is_fatal(make_llm, tiny_model_dir):
+def test_a_fault_without_any_request_is_fatal(make_llm, tiny_model_dir):
     llm = make_llm(tiny_model_dir)
-    llm.llm_engine.runner.fault_hook = _fault_for_seed(None)  # every request without a seed
-    [first] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert first.outputs[0].finish_reason == "error"
-    with pytest.raises(EngineDeadError, match="recurred"):
+
+    def always(out):
+        raise RuntimeError("injected fault in every step")
+
+    llm.llm_engine.runner.fault_hook = always
+    with pytest.raises(EngineDeadError, match="recurs on a step without any request"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.llm_engine.runner.fault_hook = None
+    with pytest.raises(EngineDeadError):  # it stays dead
         llm.generate(PROMPTS[1], SamplingParams(max_tokens=4), use_tqdm=False)
 
 
-def test_one_failed_request_then_a_good_step_is_not_fatal(make_llm, tiny_model_dir):
+def test_a_request_that_always_fails_never_stops_the_engine(make_llm, tiny_model_dir):
+    """Alone in the engine, retried (as OpenAI's SDK retries a 500): each try fails alone, the
+    padding-only probe passes, and the engine goes on."""
     llm = make_llm(tiny_model_dir)
     llm.llm_engine.runner.fault_hook = _fault_for_seed(666)
-    for _ in range(3):  # failed, served, failed, served, ...: never two failed steps in a row
+    for _ in range(4):
         [bad] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, seed=666), use_tqdm=False)
         assert bad.outputs[0].finish_reason == "error"
-        [ok] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, seed=1), use_tqdm=False)
-        assert ok.outputs[0].finish_reason == "length"
+    [ok] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, seed=1), use_tqdm=False)
+    assert ok.outputs[0].finish_reason == "length"
+    assert llm.stats()["num_failed_requests"] == 4
+
+
+def test_a_fault_after_the_kv_writes_and_block_copies_is_rerun_safely(make_llm, tiny_model_dir,
+                                                                     monkeypatch):
+    """The fault comes after the step's copy-on-write copies and K/V writes (in the sampler's
+    inputs), in the step where a good request's two completions first write into their shared
+    partial block; the good request's completions equal an undisturbed run's."""
+    llm = make_llm(tiny_model_dir)
+    runner = llm.llm_engine.runner
+    good = SamplingParams(n=2, max_tokens=10, seed=5)
+    [ref] = llm.generate(PROMPTS[1], good, use_tqdm=False)
+    prepare, apply_copies = runner.prepare_sampling, runner.apply_copies
+    events = []
+
+    def faulty_prepare(samples, logits_row):
+        if any(seq.params.seed == 666 and seq.num_output_tokens == 1 for _, seq, _ in samples):
+            events.append(("fault", len(samples)))
+            raise RuntimeError("injected fault after the model step")
+        return prepare(samples, logits_row)
+
+    def counted_copies(copies):
+        events.append(("copy", len(copies)))
+        apply_copies(copies)
+
+    monkeypatch.setattr(runner, "prepare_sampling", faulty_prepare)
+    monkeypatch.setattr(runner, "apply_copies", counted_copies)
+    outs = llm.generate([PROMPTS[1], PROMPTS[2]], [good, SamplingParams(max_tokens=10, seed=666)],
+                        use_tqdm=False)
+    # The batched step copied the pair's shared block, wrote K/V and sampled for all three
+    # rows, then failed; the rerun copied again before running the good request alone.
+    kinds = [kind for kind, _ in events]
+    i = kinds.index("fault")
+    assert events[i] == ("fault", 3) and kinds[i - 1:i + 2] == ["copy", "fault", "copy"]
+    assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in ref.outputs]
+    assert outs[1].outputs[0].finish_reason == "error" and "after the model step" in outs[1].error
 
 
 def test_a_lost_kv_pool_is_fatal(make_llm, tiny_model_dir):
