@@ -317,6 +317,10 @@ def tight_llm(tiny_model_dir):
 @example(params=SamplingParams(logprobs=0, temperature=0, max_tokens=2), prompts=["Hello"])
 @example(params=SamplingParams(n=4, best_of=5, max_tokens=20, ignore_eos=True),
          prompts=["Hi " * 30] * 3)
+# Found by this test: forks preempted after prompt + output passed the step budget never came
+# back when they asked for prompt_logprobs (see test_a_preempted_prompt_logprobs_request...).
+@example(params=SamplingParams(n=2, max_tokens=20, prompt_logprobs=1, ignore_eos=True),
+         prompts=["Hi " * 30] * 3)
 def test_any_valid_sampling_params_complete_and_free_every_block(tight_llm, params, prompts):
     engine = tight_llm.llm_engine
     request_ids = [engine.add_request(p, params) for p in prompts]
