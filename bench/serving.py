@@ -36,6 +36,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import portable_config  # noqa: E402
 from sharegpt import sample_requests  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -217,7 +218,7 @@ def main(argv=None) -> None:
         f.writelines(json.dumps(r) + "\n" for r in requests)
 
     backends = ["server"] if args.base_url else args.backends.split(",")
-    report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    report = {"config": portable_config(args),
               "machine": {"cpus": os.cpu_count()}, "backends": {}}
     for backend in backends:
         report["backends"][backend] = bench_backend(backend, args.base_url, requests, warmup,

@@ -49,6 +49,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import portable_config  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -322,7 +324,7 @@ def main(argv=None) -> dict:
               for mine in results if mine.startswith("jaxpaged")
               for peer in results if peer != mine and not (
                   peer.startswith("jaxpaged") and mine != "jaxpaged")}
-    report = {"config": {k: str(v) for k, v in vars(args).items()},
+    report = {"config": {k: str(v) for k, v in portable_config(args).items()},
               "run_wall_s": time.perf_counter() - run_start,  # the whole run, every backend
               "num_requests": len(requests), "num_prompt_tokens": num_in,
               "num_output_tokens": num_out,

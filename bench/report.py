@@ -1,0 +1,29 @@
+"""How a benchmark's configuration is recorded in bench/results/: without this machine's paths."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from jaxpaged.model_store import jaxpaged_home
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def portable(value):
+    """`value`, or for a path: relative to the repo, or `$JAXPAGED_HOME/...` for a model
+    imported there, or else its last component alone."""
+    if not isinstance(value, Path):
+        return value
+    path = value.expanduser().resolve()
+    if path.is_relative_to(REPO):
+        return str(path.relative_to(REPO))
+    home = jaxpaged_home().resolve()
+    if path.is_relative_to(home):
+        return f"$JAXPAGED_HOME/{path.relative_to(home)}"
+    return path.name
+
+
+def portable_config(args: argparse.Namespace) -> dict:
+    """A benchmark's arguments, with `portable` paths."""
+    return {k: portable(v) for k, v in vars(args).items()}
