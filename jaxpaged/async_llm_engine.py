@@ -121,16 +121,13 @@ class AsyncLLMEngine:
             naming the field (nothing was queued).
           EngineDeadError: the step loop has stopped on a fatal fault.
         """
-        self._raise_if_dead()
-        if request_id in self._streams:
-            raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text, ids = await self.tokenize_prompt(prompt)
             prompt = {"prompt": text, "prompt_token_ids": ids}
-            self._raise_if_dead()
-            if request_id in self._streams:
-                raise InvalidRequestError("request_id",
-                                          f"request_id {request_id!r} is already in use")
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead)) from self.dead
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
         self.start()
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
@@ -144,10 +141,6 @@ class AsyncLLMEngine:
             raise
         self._has_work.set()
         return stream
-
-    def _raise_if_dead(self) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(str(self.dead)) from self.dead
 
     async def generate(self, prompt: str | dict, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:

@@ -125,8 +125,7 @@ class LLMEngine:
           than `max_num_seqs` runs at once; `prompt_logprobs` over a prompt longer than
           `max_num_batched_tokens` (it is computed in one step); a request id in use.
         """
-        if self.dead is not None:
-            raise EngineDeadError(str(self.dead)) from self.dead
+        self._check_alive()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {params!r:.80}")
         params.check_vocab(self.model_config.vocab_size)
@@ -150,6 +149,11 @@ class LLMEngine:
                                             RequestMetrics(arrival_time=time.time()))
         self.scheduler.add(seq)
         return request_id
+
+    def _check_alive(self) -> None:
+        """Raises `EngineDeadError` once a fatal fault has stopped the engine."""
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead)) from self.dead
 
     def check_seats(self, params: SamplingParams) -> None:
         """Raises `InvalidRequestError` if the request's completions cannot all run at once.
@@ -189,8 +193,7 @@ class LLMEngine:
         Raises:
           EngineDeadError: a fatal fault (see `jaxpaged.errors`); the engine is unusable.
         """
-        if self.dead is not None:
-            raise EngineDeadError(str(self.dead)) from self.dead
+        self._check_alive()
         try:
             out = self.scheduler.schedule()
         except Exception as e:  # its state can no longer be trusted
