@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import LlamaConfig, LlamaForCausalLM, ModelInput, forward
 from jaxpaged.pallas_kernels import PAD_SLOT_ID, copy_blocks
-from jaxpaged.sampler import SamplingMetadata, prompt_logprobs, sample_jit
+from jaxpaged.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence, completion_seed
 
@@ -210,8 +210,8 @@ class ModelRunner:
         logits = self._run_step(self._padding_batch(1, 1, C))
         one = np.zeros((1,), np.int32)
         md = SamplingMetadata(row=one, temperature=one.astype(np.float32), top_k=one,
-                              top_p=np.ones((1,), np.float32), min_p=one.astype(np.float32),
-                              seeds=np.zeros((1, 2), np.uint32), output_index=one)
+                              top_p=np.ones((1,), np.float32), seeds=np.zeros((1, 2), np.uint32),
+                              output_index=one)
         jax.block_until_ready(sample_jit(logits[:1], md, all_greedy=True, num_logprobs=0))
 
     def execute(self, out: SchedulerOutput) -> tuple[list[list[SampledToken]], dict]:
@@ -457,11 +457,14 @@ class ModelRunner:
                 prompt_mask[i, seq.token_ids[:seq.num_prompt_tokens]] = True
         md = SamplingMetadata(
             row=row_index, temperature=f["temperature"], top_k=top_k, top_p=f["top_p"],
-            min_p=f["min_p"], seeds=seeds, output_index=output_index, logit_bias=bias,
+            min_p=f["min_p"] if f["min_p"].any() else None, seeds=seeds,
+            output_index=output_index, logit_bias=bias,
             output_counts=counts, prompt_mask=prompt_mask,
             repetition_penalty=f["repetition_penalty"] if use_penalties else None,
             frequency_penalty=f["frequency_penalty"] if use_penalties else None,
-            presence_penalty=f["presence_penalty"] if use_penalties else None)
+            presence_penalty=f["presence_penalty"] if use_penalties else None,
+            num_candidates=num_candidates([p.top_k for p in params if not p.is_greedy],
+                                          [p.top_p for p in params if not p.is_greedy], V))
         return md
 
     def _fill_bias(self, bias: np.ndarray, seq) -> None:

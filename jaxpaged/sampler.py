@@ -11,6 +11,15 @@ logits row (the n completions of a prompt right after its prefill), each with it
 Order of processing (vLLM's): logit bias and token masks, then repetition / frequency / presence
 penalties, then temperature, min-p, top-k and top-p. Returned log-probabilities are those of the
 raw model logits (before any of these).
+
+Nothing sorts the vocabulary. Truncation reduces to one cutoff logit per row (the row keeps
+every token at or above it): top-k and top-p read it off a `lax.top_k` candidate set of the
+`num_candidates` largest logits, and a row whose top-p nucleus is larger than that set finds it
+by bisection over the float values (`_nucleus_cutoff`), both exact. The token is then drawn by
+inverse transform sampling over the kept tokens in vocabulary order, with one uniform number per
+sample (`_inverse_cdf`), as FlashInfer's and vLLM's sampling kernels avoid sorting; a Gumbel-max
+draw would need V random numbers per sample, several times the cost of the rest of the sampler
+on CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +29,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+# Candidates taken for a top-p row when no top-k bounds it; its nucleus is found by bisection
+# when these do not hold it.
+TOP_P_CANDIDATES = 256
+# Block length of the two-level inverse CDF: block masses, then one block's tokens.
+_CDF_BLOCK = 256
 
 
 @jax.tree_util.register_dataclass
@@ -31,15 +46,17 @@ class SamplingMetadata:
     temperature: jax.Array  # f32[R]; 0 is greedy
     top_k: jax.Array  # i32[R]; <= 0 keeps all
     top_p: jax.Array  # f32[R] in (0, 1]
-    min_p: jax.Array  # f32[R] in [0, 1]
     seeds: jax.Array  # u32[R, 2] low and high 32 bits of each sample's seed
     output_index: jax.Array  # i32[R] tokens generated before this one
+    min_p: jax.Array | None = None  # f32[R] in [0, 1]
     logit_bias: jax.Array | None = None  # f32[R, V] added to the logits; -inf masks a token
     output_counts: jax.Array | None = None  # i32[R, V] occurrences in the output so far
     prompt_mask: jax.Array | None = None  # bool[R, V] token occurs in the prompt
     repetition_penalty: jax.Array | None = None  # f32[R]
     frequency_penalty: jax.Array | None = None  # f32[R]
     presence_penalty: jax.Array | None = None  # f32[R]
+    # Static: the top-k candidate set size C (`num_candidates`); 0 when no sample truncates.
+    num_candidates: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -50,6 +67,19 @@ class SamplerOutput:
     ranks: jax.Array  # i32[R] 1-based rank of each sampled token under the raw distribution
     top_ids: jax.Array | None  # i32[R, k] most likely tokens, when logprobs were asked for
     top_logprobs: jax.Array | None  # f32[R, k]
+
+
+def num_candidates(top_ks, top_ps, vocab_size: int) -> int:
+    """The candidate set size C for a step's sampled rows: 0 when none truncates by top-k or
+    top-p, else a power of two (capped at V) covering every row's top-k and, for top-p rows
+    with no top-k, `TOP_P_CANDIDATES`. Powers of two keep the compiled variants few."""
+    need = 0
+    for k, p in zip(top_ks, top_ps):
+        if 0 < k < vocab_size:
+            need = max(need, int(k))
+        elif p < 1:
+            need = max(need, TOP_P_CANDIDATES)
+    return 0 if need == 0 else min(vocab_size, 1 << (need - 1).bit_length())
 
 
 def _sample_key(seed: jax.Array, step: jax.Array) -> jax.Array:
@@ -69,28 +99,111 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
             - md.presence_penalty[:, None] * (counts > 0))
 
 
-def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Masks to -inf every logit outside each row's top-k, then outside its top-p nucleus.
+def _sortable(x: jax.Array) -> jax.Array:
+    """i32 keys ordered as the f32 values x (no NaNs): the bits, magnitude flipped if negative."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _from_sortable(key: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key),
+                                        jnp.float32)
+
+
+def _nucleus_cutoff(x: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """f32[R] the smallest logit v of each row such that the tokens above v (strictly) hold less
+    than top_p of the probability: the top-p cutoff, for rows with no top-k.
+
+    Bisection over the float values' ordered bit patterns: the mass above t only changes at a
+    logit, so the least t at which it falls below top_p is that logit; 32 halvings of the i32
+    range find it exactly, each one masked sum over the row.
+    """
+    lo = jnp.full(top_p.shape, _sortable(jnp.float32(jnp.finfo(jnp.float32).min)))
+    hi = _sortable(jnp.max(x, axis=-1))  # nothing lies above the row's maximum
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        above = jnp.sum(jnp.where(x > _from_sortable(mid)[:, None], probs, 0.0), axis=-1)
+        fits = above < top_p
+        return jnp.where(fits, lo, mid + 1), jnp.where(fits, mid, hi)
+
+    _, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return _from_sortable(hi)
+
+
+def top_k_top_p_cutoff(x: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                       num_candidates: int) -> jax.Array:
+    """Each row's truncation cutoff: the row keeps exactly the logits >= its cutoff.
+
+    The kept set is vLLM's: the top-k logits, then, with probabilities renormalized over them,
+    the smallest set of most likely tokens whose probability reaches top_p (a token is kept
+    while the mass before it is below top_p, so the most likely one always is); tokens tied
+    with the last kept one are kept too.
 
     Args:
-      logits: f32[R, V] (already divided by temperature).
-      top_k: i32[R]; <= 0 keeps all V.
-      top_p: f32[R] in (0, 1]; the smallest set of most likely tokens whose probability reaches
-        top_p is kept (the most likely token always is).
+      x: f32[R, V] logits (already divided by temperature); -inf marks masked tokens.
+      top_k: i32[R]; <= 0 or >= V keeps all.
+      top_p: f32[R] in (0, 1]; 1 keeps all.
+      num_candidates: static C >= every row's top-k below V (`num_candidates`).
 
     Returns:
-      f32[R, V]. Tokens tied with the last kept one are kept too.
+      f32[R]: -inf for rows that keep everything.
     """
-    R, V = logits.shape
-    desc = -jnp.sort(-logits, axis=-1)  # [R, V] sorted high to low
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-    rank = jnp.arange(V)[None, :]
-    desc = jnp.where(rank < k[:, None], desc, -jnp.inf)
-    probs = jax.nn.softmax(desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    num_kept = jnp.sum((mass_before < top_p[:, None]) & (rank < k[:, None]), axis=-1)
-    cutoff = jnp.take_along_axis(desc, (num_kept - 1)[:, None], axis=-1)
-    return jnp.where(logits >= cutoff, logits, -jnp.inf)
+    R, V = x.shape
+    C = num_candidates
+    k = jnp.where((top_k > 0) & (top_k < V), top_k, V)
+    # [R, C] high to low: the first C of a descending sort. The barrier keeps XLA from folding
+    # later slices of `vals` into the top-k, which turns it back into a full sort on CPU.
+    vals = jax.lax.optimization_barrier(jax.lax.top_k(x, C)[0])
+    row_max = vals[:, :1]
+    in_k = jnp.arange(C)[None, :] < k[:, None]
+    exp_c = jnp.where(in_k, jnp.exp(vals - row_max), 0.0)
+    full = jnp.exp(x - row_max)
+    total = jnp.where(k <= C, jnp.sum(exp_c, axis=-1), jnp.sum(full, axis=-1))
+    probs = exp_c / total[:, None]
+    mass = jnp.cumsum(probs, axis=-1)
+    in_p = (mass - probs < top_p[:, None]) | (top_p[:, None] >= 1)  # rounding can reach 1
+    num_kept = jnp.sum(in_k & in_p, axis=-1)
+    cutoff = jnp.take_along_axis(vals, (num_kept - 1)[:, None], axis=-1)[:, 0]
+    # A row without top-k whose C candidates hold less than top_p: its nucleus reaches further.
+    beyond = (k > C) & (top_p < 1) & (mass[:, -1] < top_p)
+    cutoff = jax.lax.cond(
+        jnp.any(beyond),
+        lambda: jnp.where(beyond, _nucleus_cutoff(x, full / total[:, None], top_p), cutoff),
+        lambda: cutoff)
+    return jnp.where((k > C) & (top_p >= 1), -jnp.inf, cutoff)
+
+
+def _first_true(mask: jax.Array) -> jax.Array:
+    """i32[R] the first index where mask is set, or the row length when none is."""
+    index = jnp.arange(mask.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(mask, index, mask.shape[-1]), axis=-1)
+
+
+def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """i32[R] one draw per row from f32[R, V] non-negative weights (not all 0), by the uniform
+    u f32[R] in [0, 1): the token whose cumulative weight interval, in vocabulary order, holds
+    u * total. Block masses first, then a prefix sum inside one block of `_CDF_BLOCK`."""
+    R, V = weights.shape
+    nb = -(-V // _CDF_BLOCK)
+    w = jnp.pad(weights, ((0, 0), (0, nb * _CDF_BLOCK - V))).reshape(R, nb, _CDF_BLOCK)
+    block_mass = jnp.sum(w, axis=-1)
+    cum_blocks = jnp.cumsum(block_mass, axis=-1)
+    target = u * cum_blocks[:, -1]
+
+    def pick(cum, mass, t):
+        # The interval holding t; rounding can leave t past the last sum: then the last token
+        # of positive weight.
+        first = _first_true(cum > t[:, None])
+        last = mass.shape[-1] - 1 - _first_true(jnp.flip(mass > 0, axis=-1))
+        return jnp.where(first < mass.shape[-1], first, last)
+
+    b = pick(cum_blocks, block_mass, target)
+    within = jnp.take_along_axis(w, b[:, None, None], axis=1)[:, 0]
+    before = jnp.take_along_axis(cum_blocks - block_mass, b[:, None], axis=-1)[:, 0]
+    i = pick(jnp.cumsum(within, axis=-1), within, target - before)
+    return b * _CDF_BLOCK + i
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -125,7 +238,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
     Args:
       logits: f32[B, V] next-token logits, one row per sequence of the step.
       md: per-sample arrays.
-      all_greedy: static; True skips sorting and drawing.
+      all_greedy: static; True skips truncation and drawing.
       num_logprobs: static; k of the top-k log-probabilities returned (0: none).
 
     Returns:
@@ -144,13 +257,18 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
         x = apply_penalties(x, md)
     tokens = argmax(x)
     if not all_greedy:
-        scaled = x / jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
-        probs = jax.nn.softmax(scaled, axis=-1)
-        scaled = jnp.where(probs >= md.min_p[:, None] * probs.max(-1, keepdims=True), scaled,
-                           -jnp.inf)
-        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+        x = x / jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
+        if md.min_p is not None:
+            # p >= min_p * p_max, as exp(x - max) >= min_p
+            x = jnp.where(jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)) >= md.min_p[:, None],
+                          x, -jnp.inf)
+        row_max = jnp.max(x, axis=-1, keepdims=True)
+        if md.num_candidates:
+            cutoff = top_k_top_p_cutoff(x, md.top_k, md.top_p, md.num_candidates)
+            x = jnp.where(x >= cutoff[:, None], x, -jnp.inf)
         keys = jax.vmap(_sample_key)(md.seeds, md.output_index)
-        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        u = jax.vmap(lambda key: jax.random.uniform(key, ()))(keys)
+        drawn = _inverse_cdf(jnp.exp(x - row_max), u)
         tokens = jnp.where(md.temperature > 0, drawn, tokens)
     return SamplerOutput(tokens, *_logprob_stats(raw, tokens, num_logprobs))
 
