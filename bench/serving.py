@@ -4,11 +4,20 @@ an OpenAI-compatible server with Poisson arrivals, streamed, timed per token.
     python bench/serving.py --num-prompts 50 --request-rate 1 --max-concurrency 16
     python bench/serving.py --backends jaxpaged,hf-serve     # and transformers' own server
     python bench/serving.py --base-url http://127.0.0.1:8000 # a server that is already up
+    python bench/serving.py --sweep --backends jaxpaged,hf-serve   # the concurrency sweep
+
+`--sweep` starts each server once and runs every level of a grid: datasets `random` (synthetic
+prompts of --input-len tokens, --output-len tokens out, as vLLM's random dataset: random token
+ids decoded to text) and `sharegpt`, temperatures 1.0 and 0, concurrency 1, 8 and 32 (all
+requests sent at once, at most that many in flight; 2 x concurrency requests, at least 8, per
+level). It writes bench/results/serving-sweep.json and a PNG of output throughput and p99 ITL
+against concurrency.
 
 Each backend is started as a subprocess on a free port (`jaxpaged serve`; `transformers serve
 --continuous-batching` for `hf-serve`, which needs `pip install fastapi`), warmed up with a few
 requests, sent the same request set (written to bench/results/serving-requests.jsonl), and
-stopped. Requests go to `/v1/completions` with `stream: true`, greedy, `max_tokens` = the
+stopped. Requests go to `/v1/completions` with `stream: true`, at --temperature (1.0 by
+default, what a client that sends none gets from vLLM and OpenAI), `max_tokens` = the
 ShareGPT reply's length (capped by --max-output) and `ignore_eos` (not sent to `hf-serve`, which
 rejects the field: it may stop earlier at EOS; output tokens are counted as generated, from the
 usage chunk or by tokenizing the streamed text).
@@ -40,15 +49,17 @@ from report import portable_config  # noqa: E402
 from sharegpt import sample_requests  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS / "serving.json"
 
 
 # -- one request ------------------------------------------------------------------------------
 
 async def send(client: httpx.AsyncClient, url: str, model: str, request: dict, tokenizer,
                extra: dict) -> dict:
-    """Streams one completion; returns its timings (seconds) and token counts."""
+    """Streams one completion; returns its timings (seconds) and token counts. `extra` holds
+    the body's sampling fields (temperature) and any backend-specific ones."""
     body = {"model": model, "prompt": request["prompt"], "max_tokens": request["output_len"],
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
     start = time.perf_counter()
     chunk_times, text, usage = [], "", None
     try:
@@ -154,33 +165,157 @@ def wait_until_up(url: str, process: subprocess.Popen | None, timeout: float = 6
             time.sleep(1)
 
 
+class Server:
+    """A backend's server for the duration of a `with` block (nothing started for a URL)."""
+
+    def __init__(self, backend: str, url: str | None, args):
+        self.backend, self.url, self.args, self.process = backend, url, args, None
+
+    def __enter__(self):
+        if self.url is None:
+            port = free_port()
+            self.url = f"http://127.0.0.1:{port}"
+            self.process = subprocess.Popen(
+                server_command(self.backend, self.args.model_dir, port, self.args),
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.model = wait_until_up(self.url, self.process)
+        return self
+
+    def __exit__(self, *exc):
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=60)
+
+    def run(self, requests, rate: float, max_concurrency: int, temperature: float,
+            tokenizer) -> dict:
+        """One replay of `requests`, summarized."""
+        # transformers serve rejects fields it does not know, such as vLLM's ignore_eos.
+        extra = {"temperature": temperature}
+        if self.backend != "hf-serve":
+            extra["ignore_eos"] = True
+        results, duration = asyncio.run(replay(self.url, self.model, requests, rate,
+                                               max_concurrency, self.args.seed, tokenizer, extra))
+        summary = summarize(results, duration)
+        errors = [r["error"] for r in results if not r["ok"]]
+        if errors:
+            summary["first_error"] = errors[0]
+        return summary
+
+
 def bench_backend(backend: str, url: str | None, requests, warmup, args, tokenizer) -> dict:
-    process = None
-    if url is None:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        process = subprocess.Popen(server_command(backend, args.model_dir, port, args),
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # transformers serve rejects fields it does not know, such as vLLM's ignore_eos.
-    extra = {} if backend == "hf-serve" else {"ignore_eos": True}
-    try:
-        model = wait_until_up(url, process)
-        print(f"[{backend}] up at {url}; warming up with {len(warmup)} requests", flush=True)
-        asyncio.run(replay(url, model, warmup, float("inf"), args.max_concurrency, args.seed,
-                           tokenizer, extra))
+    with Server(backend, url, args) as server:
+        print(f"[{backend}] up at {server.url}; warming up with {len(warmup)} requests",
+              flush=True)
+        server.run(warmup, float("inf"), args.max_concurrency, args.temperature, tokenizer)
         print(f"[{backend}] {len(requests)} requests at {args.request_rate} req/s", flush=True)
-        results, duration = asyncio.run(replay(url, model, requests, args.request_rate,
-                                               args.max_concurrency, args.seed, tokenizer,
-                                               extra))
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait(timeout=60)
-    summary = summarize(results, duration)
-    errors = [r["error"] for r in results if not r["ok"]]
-    if errors:
-        summary["first_error"] = errors[0]
-    return summary
+        return server.run(requests, args.request_rate, args.max_concurrency, args.temperature,
+                          tokenizer)
+
+
+# -- the concurrency sweep --------------------------------------------------------------------
+
+SWEEP_CONCURRENCY = (1, 8, 32)
+SWEEP_TEMPERATURES = (1.0, 0.0)
+
+
+def random_requests(tokenizer, num: int, input_len: int, output_len: int, seed: int):
+    """vLLM's random dataset: `input_len` uniform random token ids decoded to text (its length
+    re-measured by tokenizing), `output_len` tokens out."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(num):
+        prompt = tokenizer.decode(rng.integers(100, tokenizer.vocab_size, input_len).tolist())
+        requests.append({"prompt": prompt, "output_len": output_len,
+                         "prompt_len": len(tokenizer(prompt).input_ids)})
+    return requests
+
+
+def sweep(backends: list[str], datasets: dict, args, tokenizer) -> dict:
+    """{backend: {"<dataset>/t<temperature>/c<concurrency>": summary}}, each server started
+    once; each level is warmed up by the first --num-warmup requests of its dataset."""
+    out = {}
+    for backend in backends:
+        out[backend] = {}
+        with Server(backend, args.base_url, args) as server:
+            for name, (warmup, requests) in datasets.items():
+                server.run(warmup, float("inf"), 8, 1.0, tokenizer)
+                for temperature in SWEEP_TEMPERATURES:
+                    for c in SWEEP_CONCURRENCY:
+                        level = f"{name}/t{temperature:g}/c{c}"
+                        print(f"[{backend}] {level}", flush=True)
+                        out[backend][level] = server.run(
+                            requests[:max(8, 2 * c)], float("inf"), c, temperature, tokenizer)
+    return out
+
+
+def sweep_main(args, tokenizer, sharegpt_requests) -> None:
+    n = max(8, 2 * max(SWEEP_CONCURRENCY)) + args.num_warmup
+    synthetic = random_requests(tokenizer, n, args.input_len, args.output_len, args.seed)
+    datasets = {"random": (synthetic[:args.num_warmup], synthetic[args.num_warmup:]),
+                "sharegpt": sharegpt_requests}
+    backends = ["server"] if args.base_url else args.backends.split(",")
+    report = {"config": portable_config(args), "machine": {"cpus": os.cpu_count()},
+              "levels": sweep(backends, datasets, args, tokenizer)}
+    jp = report["levels"].get("jaxpaged", {})
+    report["ratios"] = {
+        f"jaxpaged/{peer}": {level: _ratios(jp[level], r[level]) for level in jp
+                             if level in r and r[level].get("completed")
+                             and jp[level].get("completed")}
+        for peer, r in report["levels"].items() if peer != "jaxpaged" and jp}
+    out = args.out if args.out != DEFAULT_OUT else RESULTS / "serving-sweep.json"
+    out.write_text(json.dumps(report, indent=2))
+    plot_sweep(report, out.with_suffix(".png"))
+    print_sweep(report)
+    print(f"wrote {out}")
+
+
+def _ratios(mine: dict, peer: dict) -> dict:
+    return {"output_throughput": mine["output_throughput"] / peer["output_throughput"],
+            "median_ttft": mine["median_ttft_ms"] / peer["median_ttft_ms"],
+            "median_tpot": mine["median_tpot_ms"] / peer["median_tpot_ms"]}
+
+
+def print_sweep(report: dict) -> None:
+    stats = [("out tok/s", "output_throughput", "{:.1f}")] + [
+        (f"{s} {m.upper()}", f"{s}_{m}_ms", "{:.0f}")
+        for m in ("ttft", "tpot", "itl") for s in ("median", "p99")]
+    print(f"{'backend':10} {'level':20}" + "".join(f"{label:>13}" for label, _, _ in stats)
+          + f"{'done':>6}")
+    for backend, levels in report["levels"].items():
+        for level, r in levels.items():
+            cells = [r.get(key) for _, key, _ in stats]
+            print(f"{backend:10} {level:20}" + "".join(
+                f"{fmt.format(c) if c is not None else '-':>13}"
+                for c, (_, _, fmt) in zip(cells, stats)) + f"{r['completed']:>6}")
+    print("(latencies in ms)")
+
+
+def plot_sweep(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no PNG: pip install matplotlib)")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for backend, levels in report["levels"].items():
+        for dataset in ("random", "sharegpt"):
+            for temperature, style in zip(SWEEP_TEMPERATURES, ("-", ":")):
+                keys = [f"{dataset}/t{temperature:g}/c{c}" for c in SWEEP_CONCURRENCY]
+                rows = [levels.get(k, {}) for k in keys]
+                label = f"{backend} {dataset} t={temperature:g}"
+                for ax, key in zip(axes, ("output_throughput", "p99_itl_ms")):
+                    ax.plot(SWEEP_CONCURRENCY, [r.get(key, np.nan) for r in rows], style,
+                            marker="o", label=label)
+    axes[0].set_ylabel("output tokens/s")
+    axes[1].set_ylabel("p99 inter-token latency (ms)")
+    for ax in axes:
+        ax.set_xlabel("concurrent requests")
+        ax.set_xscale("log", base=2)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None) -> None:
@@ -198,7 +333,15 @@ def main(argv=None) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS / "serving.json")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    p.add_argument("--sweep", action="store_true",
+                   help="the concurrency sweep (random and ShareGPT, temperature 1 and 0, "
+                   "concurrency 1, 8, 32) instead of one replay")
+    p.add_argument("--input-len", type=int, default=256, help="sweep, random: prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="sweep, random: output tokens")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="JSON report; default bench/results/serving.json (serving-sweep.json "
+                   "with --sweep)")
     args = p.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -207,6 +350,8 @@ def main(argv=None) -> None:
 
     args.model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    if args.sweep:  # the largest level takes 2 x its concurrency
+        args.num_prompts = max(args.num_prompts, 2 * max(SWEEP_CONCURRENCY))
     sampled = [(prompt, n, min(out, args.max_output)) for prompt, n, out in
                sample_requests(tokenizer, args.num_prompts + args.num_warmup, args.seed)
                if n <= args.max_prompt]
@@ -214,6 +359,8 @@ def main(argv=None) -> None:
                     for prompt, n, out in sampled]
     warmup, requests = all_requests[:args.num_warmup], all_requests[args.num_warmup:]
     RESULTS.mkdir(exist_ok=True)
+    if args.sweep:
+        return sweep_main(args, tokenizer, (warmup, requests))
     with open(RESULTS / "serving-requests.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in requests)
 
@@ -225,10 +372,7 @@ def main(argv=None) -> None:
                                                     args, tokenizer)
     jp = report["backends"].get("jaxpaged")
     report["ratios"] = {
-        f"jaxpaged/{peer}": {"output_throughput": jp["output_throughput"] / r["output_throughput"],
-                             "median_ttft": jp["median_ttft_ms"] / r["median_ttft_ms"],
-                             "median_tpot": jp["median_tpot_ms"] / r["median_tpot_ms"]}
-        for peer, r in report["backends"].items()
+        f"jaxpaged/{peer}": _ratios(jp, r) for peer, r in report["backends"].items()
         if jp and peer != "jaxpaged" and r.get("completed") and jp.get("completed")}
     args.out.write_text(json.dumps(report, indent=2))
     print_table(report)

@@ -5,7 +5,10 @@
     python bench/throughput.py --dataset prefix --backend jaxpaged jaxpaged-no-prefix-cache
 
 Every backend replays exactly the same requests (written first to a JSONL file beside the JSON
-report), each generating its reference output length with EOS ignored, greedy.
+report), each generating its reference output length with EOS ignored. Sampling is vLLM's
+benchmark setting by default, temperature 1.0 and top_p 1.0 (`--temperature`, `--top-p`,
+`--top-k`), the same for every backend; jaxpaged also runs the workload greedy (temperature 0)
+beside it, reported as `<backend>-greedy` with the sampled/greedy ratio.
 
 Datasets:
   sharegpt  ShareGPT conversations with vLLM's filter (bench/sharegpt.py), seed 0; output lengths
@@ -15,8 +18,8 @@ Datasets:
             question/answer pairs), each ending with its own short ShareGPT question.
 
 Backends:
-  jaxpaged                  `LLM.generate` over the whole request set (continuous batching,
-                            prefix caching on).
+  jaxpaged                  the whole request set through the engine (continuous batching,
+                            prefix caching on); request i sampled with seed --seed + i.
   jaxpaged-no-prefix-cache  the same with `enable_prefix_caching=False`.
   hf                        transformers `generate`, static batches of --hf-batch-size (left
                             padding; a batch runs until its longest request ends).
@@ -90,20 +93,38 @@ def run_jaxpaged(requests, args, enable_prefix_caching: bool = True) -> dict:
               precompile=args.warmup == "precompile")
     startup = time.perf_counter() - start
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
-    params = [SamplingParams(temperature=0, max_tokens=r["output_len"], ignore_eos=True)
-              for r in requests]
-    cold = None
-    if args.warmup == "workload":  # compile what the workload touches; empty the prefix cache
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        cold = time.perf_counter() - start
-        llm.reset_prefix_cache()
-    compiles = llm.stats()["num_compilations"]
-    result = run_jaxpaged_timed(llm, prompts, params, requests)
-    result.update(attention_backend=llm.llm_engine.attention_backend, startup_s=startup,
-                  cold_elapsed_s=cold, num_compilations_warmup=compiles,
-                  num_compilations_timed=llm.stats()["num_compilations"] - compiles)
-    return result
+    results = {}
+    for suffix, sampling in [("", sampling_settings(args))] + (
+            [("-greedy", {"temperature": 0.0})] if args.temperature > 0 else []):
+        params = [SamplingParams(max_tokens=r["output_len"], ignore_eos=True, seed=args.seed + i,
+                                 **sampling) for i, r in enumerate(requests)]
+        cold = None
+        if args.warmup == "workload":  # compile what the workload touches
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            cold = time.perf_counter() - start
+        llm.reset_prefix_cache()  # each pass starts with an empty prefix cache
+        compiles = llm.stats()["num_compilations"]
+        result = run_jaxpaged_timed(llm, prompts, params, requests)
+        result.update(attention_backend=llm.llm_engine.attention_backend, startup_s=startup,
+                      cold_elapsed_s=cold, num_compilations_warmup=compiles,
+                      num_compilations_timed=llm.stats()["num_compilations"] - compiles,
+                      sampling=sampling)
+        results[suffix] = result
+    return results
+
+
+def sampling_settings(args) -> dict:
+    """The sampling fields every backend gets: temperature, top_p, top_k (0: off)."""
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+
+
+def hf_sampling(args) -> dict:
+    """`generate` keyword arguments for the same sampling (HF's own top_k default is 50; 0 is
+    off)."""
+    if args.temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, **sampling_settings(args)}
 
 
 def run_jaxpaged_timed(llm, prompts, params, requests) -> dict:
@@ -164,8 +185,8 @@ def run_hf(requests, args) -> dict:
         new = max(r["output_len"] for r in batch)
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, pad_token_id=pad)
-    return {"elapsed_s": time.perf_counter() - start}
+                           min_new_tokens=new, pad_token_id=pad, **hf_sampling(args))
+    return {"elapsed_s": time.perf_counter() - start, "sampling": sampling_settings(args)}
 
 
 def run_hf_cb(requests, args) -> dict:
@@ -178,7 +199,7 @@ def run_hf_cb(requests, args) -> dict:
     num_blocks = sum(-(-(len(r["prompt_token_ids"]) + r["output_len"]) // block)
                      for r in requests[:args.max_num_seqs]) + 8
     manager = model.init_continuous_batching(
-        generation_config=GenerationConfig(do_sample=False),
+        generation_config=GenerationConfig(**hf_sampling(args)),
         continuous_batching_config=ContinuousBatchingConfig(
             num_blocks=num_blocks, max_requests_per_batch=args.max_num_seqs))
     manager.start()
@@ -199,7 +220,7 @@ def run_hf_cb(requests, args) -> dict:
         manager.stop(block=True)
     lengths = sorted(len(d.generated_tokens) for d in done.values())
     assert lengths == sorted(r["output_len"] for r in requests), "hf-cb output lengths differ"
-    return {"elapsed_s": elapsed}
+    return {"elapsed_s": elapsed, "sampling": sampling_settings(args)}
 
 
 def _hf_model(args):
@@ -214,7 +235,8 @@ def _hf_model(args):
 
 BACKENDS = {"jaxpaged": run_jaxpaged,
             "jaxpaged-no-prefix-cache": lambda reqs, args: run_jaxpaged(reqs, args, False),
-            "hf": run_hf, "hf-cb": run_hf_cb}
+            "hf": lambda reqs, args: {"": run_hf(reqs, args)},
+            "hf-cb": lambda reqs, args: {"": run_hf_cb(reqs, args)}}
 
 
 # -- FLOPs ------------------------------------------------------------------------------------
@@ -280,7 +302,11 @@ def main(argv=None) -> dict:
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (jaxpaged, "
                    "hf-cb)")
     p.add_argument("--hf-batch-size", type=int, default=32, help="hf static batch size")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="dataset seed; jaxpaged's request i is "
+                   "sampled with seed + i")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 keeps all")
     p.add_argument("--warmup", default="precompile", choices=["precompile", "workload", "none"],
                    help="jaxpaged, before the timed pass: compile every bucketed step shape at "
                    "startup (`LLM(precompile=True)`), run the whole workload once untimed, or "
@@ -288,7 +314,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON report; default bench/results/throughput-<dataset>.json")
     args = p.parse_args(argv)
-    out = args.out or RESULTS / f"throughput-{args.dataset}.json"
+    out = args.out or RESULTS / f"throughput-{args.dataset}{_sampling_suffix(args)}.json"
     run_start = time.perf_counter()
 
     from transformers import AutoTokenizer
@@ -311,19 +337,24 @@ def main(argv=None) -> dict:
     for name in args.backend:
         print(f"[{name}] {len(requests)} requests, {num_in} prompt + {num_out} output tokens",
               flush=True)
-        r = BACKENDS[name](requests, args)
-        elapsed = r["elapsed_s"]
-        computed = model_flops(config, requests, r.get("num_cached_tokens", 0))
-        r.update(requests_per_s=len(requests) / elapsed, output_tokens_per_s=num_out / elapsed,
-                 total_tokens_per_s=(num_in + num_out) / elapsed,
-                 model_flops=computed, model_flops_per_s=computed / elapsed,
-                 mfu=computed / elapsed / peak)
-        results[name] = r
+        for suffix, r in BACKENDS[name](requests, args).items():
+            elapsed = r["elapsed_s"]
+            computed = model_flops(config, requests, r.get("num_cached_tokens", 0))
+            r.update(requests_per_s=len(requests) / elapsed,
+                     output_tokens_per_s=num_out / elapsed,
+                     total_tokens_per_s=(num_in + num_out) / elapsed,
+                     model_flops=computed, model_flops_per_s=computed / elapsed,
+                     mfu=computed / elapsed / peak)
+            results[name + suffix] = r
+    sampled = [n for n in results if not n.endswith("-greedy")]
     ratios = {f"{mine}/{peer}": results[mine]["output_tokens_per_s"]
               / results[peer]["output_tokens_per_s"]
-              for mine in results if mine.startswith("jaxpaged")
-              for peer in results if peer != mine and not (
+              for mine in sampled if mine.startswith("jaxpaged")
+              for peer in sampled if peer != mine and not (
                   peer.startswith("jaxpaged") and mine != "jaxpaged")}
+    ratios.update({f"{n}/{n}-greedy": results[n]["output_tokens_per_s"]
+                   / results[n + "-greedy"]["output_tokens_per_s"]
+                   for n in sampled if n + "-greedy" in results})
     report = {"config": {k: str(v) for k, v in portable_config(args).items()},
               "run_wall_s": time.perf_counter() - run_start,  # the whole run, every backend
               "num_requests": len(requests), "num_prompt_tokens": num_in,
@@ -337,6 +368,15 @@ def main(argv=None) -> dict:
     print_table(report)
     print(f"wrote {out}")
     return report
+
+
+def _sampling_suffix(args) -> str:
+    """'' for vLLM's default sampling (temperature 1, top_p 1, no top-k), else the settings."""
+    if args.temperature == 0:
+        return "-greedy"
+    if (args.temperature, args.top_p, args.top_k) == (1.0, 1.0, 0):
+        return ""
+    return f"-t{args.temperature:g}-p{args.top_p:g}-k{args.top_k}"
 
 
 def plot(report: dict, path: Path) -> None:
@@ -355,7 +395,8 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylabel("output tokens/s")
     c = report["config"]
     ax.set_title(f"{c['dataset']}: {report['num_requests']} requests, "
-                 f"{report['num_output_tokens']} output tokens (CPU, float32)")
+                 f"{report['num_output_tokens']} output tokens, temperature {c['temperature']}, "
+                 f"top_p {c['top_p']}, top_k {c['top_k']} (CPU, float32)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

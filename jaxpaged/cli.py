@@ -17,6 +17,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step; default max(max_model_len, 2048)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="prompt tokens a sequence computes at most in a step that also decodes "
+                   "(0: no cap; default 128); bounds inter-token latency under load")
+    g.add_argument("--max-num-partial-prefills", type=int, default=1,
+                   help="prompts computed at most in a step that also decodes")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="blocks in the KV pool")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=2 << 30,
@@ -93,6 +98,8 @@ def _build_llm(args: argparse.Namespace):
 
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               long_prefill_token_threshold=args.long_prefill_token_threshold,
+               max_num_partial_prefills=args.max_num_partial_prefills,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                enable_prefix_caching=args.enable_prefix_caching,

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+# Prompt tokens per step while decodes run: on 2 CPU cores a step costs about 1 ms per token
+# it computes, so such a step takes a few times a decode-only one (bench/results/serving-sweep).
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 128
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
@@ -36,12 +40,25 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences in one step
     # Tokens computed in one step (decodes plus prompt chunks); default max(max_model_len, 2048).
     max_num_batched_tokens: int | None = None
+    # The prefill cap of a step that also decodes, which bounds inter-token latency (vLLM's
+    # names): in such a step a prompt computes at most `long_prefill_token_threshold` tokens
+    # (0: no cap) and at most `max_num_partial_prefills` prompts compute. A step with no
+    # decodes uses the whole `max_num_batched_tokens`.
+    long_prefill_token_threshold: int | None = None  # None: DEFAULT_LONG_PREFILL_...
+    max_num_partial_prefills: int = 1
 
     def __post_init__(self):
-        for name in ("max_model_len", "max_num_seqs"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_partial_prefills"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.long_prefill_token_threshold is None:
+            object.__setattr__(self, "long_prefill_token_threshold",
+                               DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD)
+        value = self.long_prefill_token_threshold
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0: no cap), "
+                             f"got {value!r}")
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", max(self.max_model_len, 2048))
         # Longer prompts are computed in chunks over several steps (chunked prefill).

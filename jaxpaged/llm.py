@@ -29,6 +29,10 @@ class LLM:
         `max_position_embeddings`.
       max_num_seqs: sequences per step.
       max_num_batched_tokens: tokens per step; default max(max_model_len, 2048).
+      long_prefill_token_threshold: prompt tokens a sequence computes at most in a step that
+        also decodes (0: no cap; default 128); bounds inter-token latency under load (see
+        `jaxpaged.scheduler`).
+      max_num_partial_prefills: prompts computed at most in a step that also decodes.
       block_size: tokens per KV block.
       num_kv_blocks: blocks in the KV pool; default: as many as `kv_cache_memory_bytes` holds.
       kv_cache_memory_bytes: KV pool budget in bytes (default 2 GiB).
@@ -51,7 +55,9 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, block_size: int = 16,
+                 max_num_batched_tokens: int | None = None,
+                 long_prefill_token_threshold: int | None = None,
+                 max_num_partial_prefills: int = 1, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
                  seed: int = 0, precompile: bool | str = False):
@@ -62,6 +68,8 @@ class LLM:
         self.llm_engine = LLMEngine(model_dir, dtype=dtype, max_model_len=max_model_len,
                                     max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=max_num_batched_tokens,
+                                    long_prefill_token_threshold=long_prefill_token_threshold,
+                                    max_num_partial_prefills=max_num_partial_prefills,
                                     cache_config=cache_config,
                                     attention_backend=attention_backend, seed=seed,
                                     precompile=precompile)

@@ -51,6 +51,8 @@ class LLMEngine:
 
     def __init__(self, model_dir: Path, *, dtype: str = "auto", max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 long_prefill_token_threshold: int | None = None,
+                 max_num_partial_prefills: int = 1,
                  cache_config: CacheConfig = CacheConfig(), attention_backend: str = "auto",
                  seed: int = 0, precompile: bool | str = False):
         if precompile not in (True, False, "auto"):
@@ -60,7 +62,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(dtype)
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len or self.model_config.max_position_embeddings,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            max_num_partial_prefills=max_num_partial_prefills)
         self.cache_config = cache_config
         num_blocks = num_kv_blocks(self.model_config, cache_config, self.dtype)
         if num_blocks * cache_config.block_size < self.scheduler_config.max_model_len:

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import LlamaConfig, LlamaForCausalLM, ModelInput, forward
 from jaxpaged.pallas_kernels import PAD_SLOT_ID, copy_blocks
+from jaxpaged import sampler
 from jaxpaged.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence, completion_seed
@@ -171,8 +172,8 @@ class ModelRunner:
         return decodes + prefills
 
     def precompile(self, shapes: list[tuple[int, int, int]], progress: bool = True) -> None:
-        """Compiles the model step ahead of time for each (B, Q, C) of `bucket_shapes`, so
-        that serving compiles nothing new. A shape of at most `WARM_UP_TOKENS` tokens is also
+        """Compiles the model step ahead of time for each (B, Q, C) of `bucket_shapes`, and the
+        sampler's default variants (`sampler.precompile`), so that serving compiles nothing new. A shape of at most `WARM_UP_TOKENS` tokens is also
         run once on its padding-only input (nothing is written to the pool): an executable's
         first run on CPU costs 0.1-0.5 s more than the later ones, which would otherwise land
         on a request. Larger shapes take seconds a step, and are left to pay it when met."""
@@ -187,6 +188,7 @@ class ModelRunner:
             if B * Q <= WARM_UP_TOKENS:
                 # Runs while the next shape compiles (dispatch is asynchronous).
                 _, self.kv_cache = compiled(self.params, self.kv_cache, batch)
+        sampler.precompile(self.config.vocab_size, next_power_of_2(self.max_num_seqs))
         jax.block_until_ready(self.kv_cache)
 
     def _padding_batch(self, B: int, Q: int, C: int) -> ModelInput:
@@ -209,7 +211,7 @@ class ModelRunner:
         C = self._num_context_entries(1) if self.packed else 1
         logits = self._run_step(self._padding_batch(1, 1, C))
         one = np.zeros((1,), np.int32)
-        md = SamplingMetadata(row=one, temperature=one.astype(np.float32), top_k=one,
+        md = SamplingMetadata(temperature=one.astype(np.float32), top_k=one,
                               top_p=np.ones((1,), np.float32), seeds=np.zeros((1, 2), np.uint32),
                               output_index=one)
         jax.block_until_ready(sample_jit(logits[:1], md, all_greedy=True, num_logprobs=0))
@@ -262,11 +264,12 @@ class ModelRunner:
                    for j in range(1 + seq.num_forks)]
         if not samples:
             return per_row, prompt_lps
-        md = self.prepare_sampling(samples, logits_row)
+        rows, md = self.prepare_sampling(samples, logits_row)
         num_logprobs = max((s.params.logprobs or 0) for _, s, _ in samples)
         num_logprobs = next_power_of_2(num_logprobs) if num_logprobs else 0
         res = jax.device_get(sample_jit(
-            logits, md, all_greedy=all(s.params.is_greedy for _, s, _ in samples),
+            sampler.gather_rows(logits, rows), md,
+            all_greedy=all(s.params.is_greedy for _, s, _ in samples),
             num_logprobs=num_logprobs))
         for i, (row, seq, _) in enumerate(samples):
             k = seq.params.logprobs
@@ -421,8 +424,9 @@ class ModelRunner:
         return blocks, rows, lens
 
     def prepare_sampling(self, samples: list[tuple[int, Sequence, int]],
-                         logits_row: dict[int, int]) -> SamplingMetadata:
-        """Per-sample arrays for `sampler.sample`, padded to a power of two R.
+                         logits_row: dict[int, int]) -> tuple[np.ndarray, SamplingMetadata]:
+        """Per-sample arrays for `sampler.sample`, padded to a power of two R, and i32[R] the
+        logits row each sample draws from.
 
         `samples` are (batch row, seq, j): sample j of a row drawing several uses seed
         `seq.seed + j` (mod 2**64), so the j-th of n completions equals a lone request seeded
@@ -456,7 +460,7 @@ class ModelRunner:
                 np.add.at(counts[i], seq.output_token_ids, 1)
                 prompt_mask[i, seq.token_ids[:seq.num_prompt_tokens]] = True
         md = SamplingMetadata(
-            row=row_index, temperature=f["temperature"], top_k=top_k, top_p=f["top_p"],
+            temperature=f["temperature"], top_k=top_k, top_p=f["top_p"],
             min_p=f["min_p"] if f["min_p"].any() else None, seeds=seeds,
             output_index=output_index, logit_bias=bias,
             output_counts=counts, prompt_mask=prompt_mask,
@@ -465,7 +469,7 @@ class ModelRunner:
             presence_penalty=f["presence_penalty"] if use_penalties else None,
             num_candidates=num_candidates([p.top_k for p in params if not p.is_greedy],
                                           [p.top_p for p in params if not p.is_greedy], V))
-        return md
+        return row_index, md
 
     def _fill_bias(self, bias: np.ndarray, seq) -> None:
         """logit_bias, the allowed_token_ids mask, and min_tokens' mask of EOS / stop tokens."""

@@ -5,8 +5,10 @@ logit biases without recompiling per mix: per-sample parameters are arrays. Feat
 the step uses are left out of the arrays (`None`), which picks a smaller compiled variant.
 
 A sample's random key is `fold_in(fold_in(key(seed_lo), seed_hi), output_index)`, so a seeded
-request draws the same tokens whatever else shares its batch. Several samples may draw from one
-logits row (the n completions of a prompt right after its prefill), each with its own seed.
+request draws the same tokens whatever else shares its batch. The sampler takes one logits row
+per sample, gathered from the step's rows by `gather_rows` (several samples may draw from one
+row: the n completions of a prompt right after its prefill, each with its own seed), so its
+compiled variants depend on the sample count R alone, not on the step's shape.
 
 Order of processing (vLLM's): logit bias and token masks, then repetition / frequency / presence
 penalties, then temperature, min-p, top-k and top-p. Returned log-probabilities are those of the
@@ -24,6 +26,7 @@ on CPU.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 
@@ -42,7 +45,6 @@ _CDF_BLOCK = 256
 class SamplingMetadata:
     """Per-sample arrays (R samples, V vocabulary); optional fields are None when unused."""
 
-    row: jax.Array  # i32[R] the logits row each sample draws from
     temperature: jax.Array  # f32[R]; 0 is greedy
     top_k: jax.Array  # i32[R]; <= 0 keeps all
     top_p: jax.Array  # f32[R] in (0, 1]
@@ -236,7 +238,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
     """Draws one token per sample.
 
     Args:
-      logits: f32[B, V] next-token logits, one row per sequence of the step.
+      logits: f32[R, V] next-token logits, one row per sample (`gather_rows`).
       md: per-sample arrays.
       all_greedy: static; True skips truncation and drawing.
       num_logprobs: static; k of the top-k log-probabilities returned (0: none).
@@ -244,25 +246,18 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
     Returns:
       `SamplerOutput` with i32[R] token ids and their raw log-probabilities.
     """
-    if all_greedy and md.logit_bias is None and md.output_counts is None:
-        # Nothing changes the logits: reduce the step's rows, then pick each sample's row
-        # (no [R, V] gather).
-        tokens = argmax(logits)
-        stats = _logprob_stats(logits, tokens, num_logprobs)
-        picked = [None if a is None else a[md.row] for a in (tokens, *stats)]
-        return SamplerOutput(*picked)
-    raw = logits[md.row]
+    raw = logits
     x = raw if md.logit_bias is None else raw + md.logit_bias
     if md.output_counts is not None:
         x = apply_penalties(x, md)
-    tokens = argmax(x)
-    if not all_greedy:
+    if all_greedy:
+        tokens = argmax(x)
+    else:
         x = x / jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
-        if md.min_p is not None:
-            # p >= min_p * p_max, as exp(x - max) >= min_p
-            x = jnp.where(jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)) >= md.min_p[:, None],
-                          x, -jnp.inf)
         row_max = jnp.max(x, axis=-1, keepdims=True)
+        tokens = _first_true(x == row_max)  # the greedy rows' argmax (their x is unscaled)
+        if md.min_p is not None:  # p >= min_p * p_max, as exp(x - max) >= min_p
+            x = jnp.where(jnp.exp(x - row_max) >= md.min_p[:, None], x, -jnp.inf)
         if md.num_candidates:
             cutoff = top_k_top_p_cutoff(x, md.top_k, md.top_p, md.num_candidates)
             x = jnp.where(x >= cutoff[:, None], x, -jnp.inf)
@@ -274,6 +269,30 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
 
 
 sample_jit = jax.jit(sample, static_argnames=("all_greedy", "num_logprobs"))
+
+
+@jax.jit
+def gather_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
+    """f32[R, V]: row rows[i] of the step's logits f32[B, V] for each sample i (i32[R])."""
+    return logits[rows]
+
+
+def precompile(vocab_size: int, max_num_samples: int) -> None:
+    """Compiles the greedy and the temperature-only variants (no top-k, top-p or min-p, the
+    default `SamplingParams`) for every padded sample count R up to `max_num_samples`, so
+    that the first such request of each size compiles nothing. Two threads: XLA compiles
+    outside the GIL."""
+    def run(R: int, all_greedy: bool) -> None:
+        zeros = jnp.zeros((R,), jnp.int32)
+        md = SamplingMetadata(temperature=jnp.ones((R,)), top_k=zeros, top_p=jnp.ones((R,)),
+                              seeds=jnp.zeros((R, 2), jnp.uint32), output_index=zeros)
+        jax.block_until_ready(sample_jit(jnp.zeros((R, vocab_size)), md,
+                                         all_greedy=all_greedy, num_logprobs=0))
+
+    sizes = [1 << i for i in range(max(1, max_num_samples).bit_length())
+             if 1 << i < 2 * max_num_samples]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(run, sizes + sizes, [True] * len(sizes) + [False] * len(sizes)))
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))

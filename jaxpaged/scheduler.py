@@ -8,6 +8,14 @@ arrival order while `max_num_seqs`, the budget and the free blocks allow; the pr
 one admitted may be cut to the budget and finished in later steps (chunked prefill). So a long
 prompt never stalls the running sequences: prefill chunks and decodes share each step.
 
+A step that decodes caps its prompt tokens so that decodes keep a steady pace (vLLM's
+`long_prefill_token_threshold` and `max_num_partial_prefills`, applied only while something
+decodes): each prompt computes at most `long_prefill_token_threshold` tokens in it and at most
+`max_num_partial_prefills` prompts compute. Inter-token latency then stays near the cost of a
+decode step plus that many prompt tokens however long the queued prompts are. A step with no
+decodes uses the whole budget, so an idle engine starts a prompt as fast as before. A prompt
+that wants prompt log-probabilities is computed in one piece, and is not capped.
+
 When a running sequence needs a block and none is free, the most recently admitted running
 sequence is preempted by recompute: its blocks are freed and it goes back to the front of the
 waiting queue, keeping its generated tokens. Nothing new is admitted in a step that preempts.
@@ -56,10 +64,25 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         """The next step's batch, or None when nothing is waiting or running."""
         out = SchedulerOutput([], [], [])
+        decoding = any(s.num_tokens - s.num_computed_tokens == 1 and s.num_output_tokens > 0
+                       for s in self.running)
+        self._prefills_left = self.config.max_num_partial_prefills if decoding else None
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out if out.seqs or out.preempted else None
+
+    def _prefill_tokens(self, seq: Sequence, remaining: int, budget: int) -> int:
+        """Prompt tokens `seq` computes this step (0: none), within the step's budget and,
+        while something decodes, the prefill cap; counts it as one of the step's prefills."""
+        q = min(remaining, budget)
+        if self._prefills_left is None or seq.params.prompt_logprobs is not None:
+            return q
+        if self._prefills_left == 0:
+            return 0
+        self._prefills_left -= 1
+        threshold = self.config.long_prefill_token_threshold
+        return min(q, threshold) if threshold else q
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Adds each running sequence's next token (or prompt chunk); returns the budget left."""
@@ -68,7 +91,11 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            q = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            is_decode = remaining == 1 and seq.num_output_tokens > 0
+            q = 1 if is_decode else self._prefill_tokens(seq, remaining, budget)
+            if q == 0:  # a prompt chunk held back by the prefill cap
+                continue
             while not self.block_manager.can_append(seq, q):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -86,7 +113,7 @@ class Scheduler:
         """Admits waiting sequences in order while sequences, tokens and blocks allow."""
         # A parent holds seats for the children it forks once its prompt is computed.
         num_seats = sum(1 + s.num_forks for s in self.running)
-        while (self.waiting and budget > 0
+        while (self.waiting and budget > 0 and self._prefills_left != 0
                and num_seats + 1 + self.waiting[0].num_forks <= self.config.max_num_seqs):
             seq = self.waiting[0]
             remaining = seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq)
@@ -101,7 +128,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
             num_seats += 1 + seq.num_forks
-            q = min(remaining, budget)
+            q = self._prefill_tokens(seq, remaining, budget)
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(q)
             budget -= q

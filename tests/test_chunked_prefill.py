@@ -47,3 +47,55 @@ def test_prompt_logprobs_longer_than_the_budget_is_a_value_error(make_llm, tiny_
     out = llm.generate("a short prompt here", SamplingParams(prompt_logprobs=1, max_tokens=2),
                        use_tqdm=False)
     assert out[0].prompt_logprobs[0] is None and len(out[0].prompt_logprobs) > 1
+
+
+def record_steps(llm) -> list[list[tuple[bool, int]]]:
+    """Patches the scheduler to record each step as [(is a decode, tokens)] per row."""
+    steps = []
+    schedule = llm.llm_engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        if out is not None:
+            steps.append([(s.num_output_tokens > 0 and s.num_computed_tokens + 1 == s.num_tokens,
+                           q) for s, q in zip(out.seqs, out.num_scheduled_tokens)])
+        return out
+
+    llm.llm_engine.scheduler.schedule = recording
+    return steps
+
+
+def test_a_step_that_decodes_caps_its_prompt_tokens(make_llm, tiny_model_dir):
+    """long_prefill_token_threshold / max_num_partial_prefills bound the prompt tokens of a step
+    with decodes; a step without decodes uses the whole budget; the tokens do not change."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    uncapped = make_llm(tiny_model_dir, long_prefill_token_threshold=0, max_num_partial_prefills=4,
+                        enable_prefix_caching=False)
+    capped = make_llm(tiny_model_dir, long_prefill_token_threshold=8, max_num_partial_prefills=1,
+                      enable_prefix_caching=False)
+    outputs = []
+    for llm in (uncapped, capped):
+        steps = record_steps(llm)
+        engine = llm.llm_engine
+        engine.add_request({"prompt_token_ids": list(range(5, 45))}, params)
+        engine.step()  # the first prompt alone: no decodes yet
+        for prompt in PROMPTS:  # join while the first one decodes
+            engine.add_request(prompt, params)
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+        outputs.append(sorted((o.prompt_token_ids, o.outputs[0].token_ids) for o in finished))
+    assert outputs[0] == outputs[1]
+    assert steps[0] == [(False, 40)]  # no decodes: the whole prompt in one step
+    mixed = [step for step in steps if any(decode for decode, _ in step)]
+    prefills = [[q for decode, q in step if not decode] for step in mixed]
+    assert all(len(p) <= 1 and sum(p) <= 8 for p in prefills)
+    assert sum(1 for p in prefills if p) > 10  # the prompts were chunked beside the decodes
+
+
+@pytest.mark.parametrize("field, value", [("long_prefill_token_threshold", -1),
+                                          ("max_num_partial_prefills", 0),
+                                          ("max_num_partial_prefills", 1.5)])
+def test_prefill_cap_settings_are_checked(make_llm, tiny_model_dir, field, value):
+    with pytest.raises(ValueError, match=field):
+        make_llm(tiny_model_dir, **{field: value})

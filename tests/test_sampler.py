@@ -6,28 +6,31 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 from scipy import stats
 
-from jaxpaged.sampler import (SamplingMetadata, TOP_P_CANDIDATES, num_candidates, sample_jit,
-                              top_k_top_p_cutoff)
+from jaxpaged.sampler import (SamplingMetadata, TOP_P_CANDIDATES, gather_rows, num_candidates,
+                              sample_jit, top_k_top_p_cutoff)
 
 V = 6
 PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
 LOGITS = np.log(PROBS).astype(np.float32)
 
 
-def metadata(num, vocab_size=V, rows=None, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+def metadata(num, vocab_size=V, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
              seeds=None, output_index=None):
     full = lambda v, dtype: np.broadcast_to(np.asarray(v, dtype), (num,)).copy()
     top_k, top_p = full(top_k, np.int32), full(top_p, np.float32)
     return SamplingMetadata(
-        row=full(0 if rows is None else rows, np.int32), temperature=full(temperature, np.float32),
+        temperature=full(temperature, np.float32),
         top_k=top_k, top_p=top_p, min_p=full(min_p, np.float32) if np.any(min_p) else None,
         seeds=np.zeros((num, 2), np.uint32) if seeds is None else seeds,
         output_index=full(0 if output_index is None else output_index, np.int32),
         num_candidates=num_candidates(top_k, top_p, vocab_size))
 
 
-def tokens_of(logits, md, all_greedy=False):
-    return np.asarray(sample_jit(logits, md, all_greedy=all_greedy, num_logprobs=0).token_ids)
+def tokens_of(logits, md, rows=None, all_greedy=False):
+    """Sample i draws from logits row rows[i] (default: row 0 for every sample)."""
+    rows = np.zeros(len(md.temperature), np.int32) if rows is None else rows
+    return np.asarray(sample_jit(gather_rows(logits, rows), md, all_greedy=all_greedy,
+                                 num_logprobs=0).token_ids)
 
 
 def draw_counts(logits, num, seed=1, **params):
@@ -80,9 +83,9 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((4, 1000)).astype(np.float32)
     temperature = np.array([0, 1.0, 0, 0.5], np.float32)
-    md = metadata(4, 1000, rows=np.arange(4), temperature=temperature, top_p=0.9)
-    mixed = tokens_of(logits, md)
-    greedy = tokens_of(logits, md, all_greedy=True)
+    md = metadata(4, 1000, temperature=temperature, top_p=0.9)
+    mixed = tokens_of(logits, md, np.arange(4))
+    greedy = tokens_of(logits, md, np.arange(4), all_greedy=True)
     np.testing.assert_array_equal(greedy, logits.argmax(-1))
     np.testing.assert_array_equal(mixed[[0, 2]], logits.argmax(-1)[[0, 2]])
 
@@ -165,9 +168,8 @@ def test_seeded_row_gives_the_same_token_in_any_batch_position():
         seeds[position] = (seed, 0)
         out_idx = rng.integers(0, 9, batch).astype(np.int32)
         out_idx[position] = step
-        md = metadata(batch, 500, rows=np.arange(batch), seeds=seeds, output_index=out_idx,
-                      top_p=top_p)
-        return int(tokens_of(logits, md)[position])
+        md = metadata(batch, 500, seeds=seeds, output_index=out_idx, top_p=top_p)
+        return int(tokens_of(logits, md, np.arange(batch))[position])
 
     for top_p in (1.0, 0.8):
         first = token_at(0, 1, top_p=top_p)
