@@ -10,8 +10,9 @@ an OpenAI-compatible server with Poisson arrivals, streamed, timed per token.
 prompts of --input-len tokens, --output-len tokens out, as vLLM's random dataset: random token
 ids decoded to text) and `sharegpt`, temperatures 1.0 and 0, concurrency 1, 8 and 32 (all
 requests sent at once, at most that many in flight; 2 x concurrency requests, at least 8, per
-level). It writes bench/results/serving-sweep.json and a PNG of output throughput and p99 ITL
-against concurrency.
+level, none shared between levels, so no level meets another's prompts in a prefix cache). It
+writes bench/results/serving-sweep.json and a PNG of output throughput and p99 ITL against
+concurrency.
 
 Each backend is started as a subprocess on a free port (`jaxpaged serve`; `transformers serve
 --continuous-batching` for `hf-serve`, which needs `pip install fastapi`), warmed up with a few
@@ -143,7 +144,9 @@ def server_command(backend: str, model_dir: Path, port: int, args) -> list[str]:
     if backend == "jaxpaged":
         return [sys.executable, "-m", "jaxpaged.cli", "serve", "--model", str(model_dir),
                 "--port", str(port), "--max-model-len", str(args.max_model_len),
-                "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
+                "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"] + (
+                    [] if args.long_prefill_token_threshold is None else
+                    ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)])
     if backend == "hf-serve":
         exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
         return [exe, "serve", str(model_dir), "--continuous-batching", "--device", "cpu",
@@ -214,10 +217,6 @@ def bench_backend(backend: str, url: str | None, requests, warmup, args, tokeniz
 
 # -- the concurrency sweep --------------------------------------------------------------------
 
-SWEEP_CONCURRENCY = (1, 8, 32)
-SWEEP_TEMPERATURES = (1.0, 0.0)
-
-
 def random_requests(tokenizer, num: int, input_len: int, output_len: int, seed: int):
     """vLLM's random dataset: `input_len` uniform random token ids decoded to text (its length
     re-measured by tokenizing), `output_len` tokens out."""
@@ -230,29 +229,40 @@ def random_requests(tokenizer, num: int, input_len: int, output_len: int, seed: 
     return requests
 
 
+def level_sizes(args) -> list[int]:
+    """Requests per level: 2 x its concurrency, at least 8; each level gets requests of its
+    own, so that no level finds another's prompts in the prefix cache."""
+    return [max(8, 2 * c) for c in args.concurrency] * len(args.temperatures)
+
+
 def sweep(backends: list[str], datasets: dict, args, tokenizer) -> dict:
     """{backend: {"<dataset>/t<temperature>/c<concurrency>": summary}}, each server started
-    once; each level is warmed up by the first --num-warmup requests of its dataset."""
+    once; each dataset's warmup requests go first."""
     out = {}
     for backend in backends:
         out[backend] = {}
         with Server(backend, args.base_url, args) as server:
             for name, (warmup, requests) in datasets.items():
                 server.run(warmup, float("inf"), 8, 1.0, tokenizer)
-                for temperature in SWEEP_TEMPERATURES:
-                    for c in SWEEP_CONCURRENCY:
-                        level = f"{name}/t{temperature:g}/c{c}"
+                start = 0
+                for temperature in args.temperatures:
+                    for c in args.concurrency:
+                        level, n = f"{name}/t{temperature:g}/c{c}", max(8, 2 * c)
                         print(f"[{backend}] {level}", flush=True)
-                        out[backend][level] = server.run(
-                            requests[:max(8, 2 * c)], float("inf"), c, temperature, tokenizer)
+                        out[backend][level] = server.run(requests[start:start + n], float("inf"),
+                                                         c, temperature, tokenizer)
+                        start += n
     return out
 
 
 def sweep_main(args, tokenizer, sharegpt_requests) -> None:
-    n = max(8, 2 * max(SWEEP_CONCURRENCY)) + args.num_warmup
-    synthetic = random_requests(tokenizer, n, args.input_len, args.output_len, args.seed)
-    datasets = {"random": (synthetic[:args.num_warmup], synthetic[args.num_warmup:]),
-                "sharegpt": sharegpt_requests}
+    n = sum(level_sizes(args)) + args.num_warmup
+    datasets = {}
+    if "random" in args.datasets:
+        synthetic = random_requests(tokenizer, n, args.input_len, args.output_len, args.seed)
+        datasets["random"] = (synthetic[:args.num_warmup], synthetic[args.num_warmup:])
+    if "sharegpt" in args.datasets:
+        datasets["sharegpt"] = sharegpt_requests
     backends = ["server"] if args.base_url else args.backends.split(",")
     report = {"config": portable_config(args), "machine": {"cpus": os.cpu_count()},
               "levels": sweep(backends, datasets, args, tokenizer)}
@@ -264,7 +274,7 @@ def sweep_main(args, tokenizer, sharegpt_requests) -> None:
         for peer, r in report["levels"].items() if peer != "jaxpaged" and jp}
     out = args.out if args.out != DEFAULT_OUT else RESULTS / "serving-sweep.json"
     out.write_text(json.dumps(report, indent=2))
-    plot_sweep(report, out.with_suffix(".png"))
+    plot_sweep(report, args, out.with_suffix(".png"))
     print_sweep(report)
     print(f"wrote {out}")
 
@@ -290,7 +300,7 @@ def print_sweep(report: dict) -> None:
     print("(latencies in ms)")
 
 
-def plot_sweep(report: dict, path: Path) -> None:
+def plot_sweep(report: dict, args, path: Path) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -300,13 +310,13 @@ def plot_sweep(report: dict, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for backend, levels in report["levels"].items():
-        for dataset in ("random", "sharegpt"):
-            for temperature, style in zip(SWEEP_TEMPERATURES, ("-", ":")):
-                keys = [f"{dataset}/t{temperature:g}/c{c}" for c in SWEEP_CONCURRENCY]
+        for dataset in args.datasets:
+            for temperature, style in zip(args.temperatures, ("-", ":", "--")):
+                keys = [f"{dataset}/t{temperature:g}/c{c}" for c in args.concurrency]
                 rows = [levels.get(k, {}) for k in keys]
                 label = f"{backend} {dataset} t={temperature:g}"
                 for ax, key in zip(axes, ("output_throughput", "p99_itl_ms")):
-                    ax.plot(SWEEP_CONCURRENCY, [r.get(key, np.nan) for r in rows], style,
+                    ax.plot(args.concurrency, [r.get(key, np.nan) for r in rows], style,
                             marker="o", label=label)
     axes[0].set_ylabel("output tokens/s")
     axes[1].set_ylabel("p99 inter-token latency (ms)")
@@ -337,6 +347,14 @@ def main(argv=None) -> None:
     p.add_argument("--sweep", action="store_true",
                    help="the concurrency sweep (random and ShareGPT, temperature 1 and 0, "
                    "concurrency 1, 8, 32) instead of one replay")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32],
+                   help="sweep: concurrency levels")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0],
+                   help="sweep: temperatures")
+    p.add_argument("--datasets", nargs="+", default=["random", "sharegpt"],
+                   choices=["random", "sharegpt"], help="sweep: datasets")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="jaxpaged's prefill cap while decoding (default: the engine's)")
     p.add_argument("--input-len", type=int, default=256, help="sweep, random: prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="sweep, random: output tokens")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
@@ -350,8 +368,8 @@ def main(argv=None) -> None:
 
     args.model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    if args.sweep:  # the largest level takes 2 x its concurrency
-        args.num_prompts = max(args.num_prompts, 2 * max(SWEEP_CONCURRENCY))
+    if args.sweep:  # every level has requests of its own
+        args.num_prompts = max(args.num_prompts, sum(level_sizes(args)))
     sampled = [(prompt, n, min(out, args.max_output)) for prompt, n, out in
                sample_requests(tokenizer, args.num_prompts + args.num_warmup, args.seed)
                if n <= args.max_prompt]

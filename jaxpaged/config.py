@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-# Prompt tokens per step while decodes run: on 2 CPU cores a step costs about 1 ms per token
-# it computes, so such a step takes a few times a decode-only one (bench/results/serving-sweep).
+# Prompt tokens a sequence computes at most in a step that also decodes. A step's time grows
+# with the tokens it computes, so this keeps a mixed step within a small multiple of a decode
+# step at the batch sizes served (README, "Latency under load", has the measurements).
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 128
 
 
