@@ -103,12 +103,16 @@ def test_a_parent_holds_seats_for_its_forks_until_they_exist():
     assert out.seqs == [parent] and list(sched.waiting) == [other]
 
 
-def test_chunked_prefill_cuts_prompts_to_the_budget_and_decodes_go_first():
-    sched, _ = make_scheduler(max_num_seqs=8, max_model_len=32, max_num_batched_tokens=16)
+@pytest.mark.parametrize("max_num_partial_prefills", [1, 2])
+def test_chunked_prefill_cuts_prompts_to_the_budget_and_decodes_go_first(
+        max_num_partial_prefills):
+    sched, _ = make_scheduler(max_num_seqs=8, max_model_len=32, max_num_batched_tokens=16,
+                              max_num_partial_prefills=max_num_partial_prefills,
+                              long_prefill_token_threshold=3)
     a, b = seq(10), seq(10)
     sched.add(a)
     sched.add(b)
-    out = sched.schedule()  # a whole, then b's first 6 tokens
+    out = sched.schedule()  # nothing decodes, so no cap: a whole, then b's first 6 tokens
     assert out.seqs == [a, b] and out.num_scheduled_tokens == [10, 6]
     assert out.completes(0) and not out.completes(1)
     a.num_computed_tokens += 10
@@ -116,9 +120,15 @@ def test_chunked_prefill_cuts_prompts_to_the_budget_and_decodes_go_first():
     b.num_computed_tokens += 6
     c = seq(20)
     sched.add(c)
-    out = sched.schedule()  # a's decode, b's last 4, then 11 of c's 20
-    assert out.seqs == [a, b, c] and out.num_scheduled_tokens == [1, 4, 11]
-    assert out.completes(0) and out.completes(1) and not out.completes(2)
+    # a decodes: a's decode first, then at most 3 prompt tokens for each of at most
+    # max_num_partial_prefills prompts (b's, then c's)
+    out = sched.schedule()
+    if max_num_partial_prefills == 1:
+        assert out.seqs == [a, b] and out.num_scheduled_tokens == [1, 3]
+        assert list(sched.waiting) == [c]
+    else:
+        assert out.seqs == [a, b, c] and out.num_scheduled_tokens == [1, 3, 3]
+    assert out.completes(0) and not out.completes(1)
 
 
 def test_prompt_logprobs_requests_are_never_chunked():

@@ -129,6 +129,16 @@ def test_edge_settings_keep_the_reference_sets():
     assert draw_counts(x, 4000, top_k=3)[[1, 2, 3]].min() > 0
 
 
+def test_min_p_edges_keep_the_reference_sets():
+    """min_p 1 keeps the most likely tokens (ties included), a tiny min_p keeps all; with
+    top-k and top-p on what min-p leaves."""
+    x = np.array([2.0, 0.5, 2.0, 1.5, 1.0, 0.0], np.float32)
+    for params in [{"min_p": 1.0}, {"min_p": 0.5}, {"min_p": 1e-6}, {"min_p": 0.3, "top_k": 2},
+                   {"min_p": 0.3, "top_p": 0.5}]:
+        drawn = draw_counts(x, 3000, **params) > 0
+        np.testing.assert_array_equal(drawn, reference_kept(x, **params)[0], str(params))
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_cutoff_equals_the_sort_reference(data):
