@@ -144,9 +144,10 @@ def server_command(backend: str, model_dir: Path, port: int, args) -> list[str]:
     if backend == "jaxpaged":
         return [sys.executable, "-m", "jaxpaged.cli", "serve", "--model", str(model_dir),
                 "--port", str(port), "--max-model-len", str(args.max_model_len),
-                "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"] + (
-                    [] if args.long_prefill_token_threshold is None else
-                    ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)])
+                "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"] + [
+                    arg for name in ("long_prefill_token_threshold", "max_num_partial_prefills")
+                    if getattr(args, name) is not None
+                    for arg in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
     if backend == "hf-serve":
         exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
         return [exe, "serve", str(model_dir), "--continuous-batching", "--device", "cpu",
@@ -355,6 +356,8 @@ def main(argv=None) -> None:
                    choices=["random", "sharegpt"], help="sweep: datasets")
     p.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="jaxpaged's prefill cap while decoding (default: the engine's)")
+    p.add_argument("--max-num-partial-prefills", type=int, default=None,
+                   help="jaxpaged's prompts per step while decoding (default: the engine's)")
     p.add_argument("--input-len", type=int, default=256, help="sweep, random: prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="sweep, random: output tokens")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
