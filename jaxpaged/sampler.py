@@ -264,7 +264,9 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
         keys = jax.vmap(_sample_key)(md.seeds, md.output_index)
         u = jax.vmap(lambda key: jax.random.uniform(key, ()))(keys)
         drawn = _inverse_cdf(jnp.exp(x - row_max), u)
-        tokens = jnp.where(md.temperature > 0, drawn, tokens)
+        # A row with every token masked (logit bias and min_tokens together can do that) has
+        # nothing to draw from: it takes the greedy path's token, as a greedy row would.
+        tokens = jnp.where((md.temperature > 0) & jnp.isfinite(row_max[:, 0]), drawn, tokens)
     return SamplerOutput(tokens, *_logprob_stats(raw, tokens, num_logprobs))
 
 

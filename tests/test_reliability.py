@@ -321,6 +321,10 @@ def tight_llm(tiny_model_dir):
 # back when they asked for prompt_logprobs (see test_a_preempted_prompt_logprobs_request...).
 @example(params=SamplingParams(n=2, max_tokens=20, prompt_logprobs=1, ignore_eos=True),
          prompts=["Hi " * 30] * 3)
+# Every token masked (allowed 0, min_tokens masks stop token 0): a sampled row with nothing to
+# draw from once gave an out-of-range token id.
+@example(params=SamplingParams(temperature=1.0, stop_token_ids=[0], max_tokens=1, min_tokens=1,
+                               allowed_token_ids=[0]), prompts=["Hello, my name is"])
 def test_any_valid_sampling_params_complete_and_free_every_block(tight_llm, params, prompts):
     engine = tight_llm.llm_engine
     request_ids = [engine.add_request(p, params) for p in prompts]

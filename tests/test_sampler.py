@@ -1,6 +1,8 @@
 """The batched sampler: greedy rows, truncation sets against a sort-based reference, draws
 against the exact distribution (chi-square), and per-row seeds."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
@@ -157,6 +159,18 @@ def test_cutoff_equals_the_sort_reference(data):
     cutoff = top_k_top_p_cutoff(x[None], np.array([top_k], np.int32),
                                 np.array([top_p], np.float32), C)
     np.testing.assert_array_equal(kept_by(x, cutoff), kept)
+
+
+@pytest.mark.parametrize("params", [{}, {"top_p": 0.5}, {"top_k": 3}, {"min_p": 0.1}])
+def test_a_row_with_every_token_masked_gets_the_greedy_token(params):
+    """allowed_token_ids=[0] with min_tokens masking stop token 0 masks the whole row: the
+    sampled row answers token 0, as the greedy argmax does, never an out-of-range id."""
+    R, vocab = 4, 300
+    logits = np.random.default_rng(0).standard_normal((R, vocab)).astype(np.float32)
+    md = dataclasses.replace(metadata(R, vocab, seeds=np.arange(2 * R, dtype=np.uint32)
+                                      .reshape(R, 2), **params),
+                             logit_bias=np.full((R, vocab), -np.inf, np.float32))
+    np.testing.assert_array_equal(tokens_of(logits, md, np.arange(R)), np.zeros(R))
 
 
 def test_num_candidates_covers_each_row():
