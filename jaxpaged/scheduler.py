@@ -54,6 +54,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        # Prompts the step being built may still compute while something decodes (None: no cap).
+        self._prefills_left: int | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
