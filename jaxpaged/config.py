@@ -45,7 +45,7 @@ class SchedulerConfig:
     # names): in such a step a prompt computes at most `long_prefill_token_threshold` tokens
     # (0: no cap) and at most `max_num_partial_prefills` prompts compute. A step with no
     # decodes uses the whole `max_num_batched_tokens`.
-    long_prefill_token_threshold: int | None = None  # None: DEFAULT_LONG_PREFILL_...
+    long_prefill_token_threshold: int | None = None  # None: the default above
     max_num_partial_prefills: int = 1
 
     def __post_init__(self):

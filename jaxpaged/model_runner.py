@@ -22,10 +22,10 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxpaged import sampler
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import LlamaConfig, LlamaForCausalLM, ModelInput, forward
 from jaxpaged.pallas_kernels import PAD_SLOT_ID, copy_blocks
-from jaxpaged import sampler
 from jaxpaged.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence, completion_seed
@@ -173,10 +173,11 @@ class ModelRunner:
 
     def precompile(self, shapes: list[tuple[int, int, int]], progress: bool = True) -> None:
         """Compiles the model step ahead of time for each (B, Q, C) of `bucket_shapes`, and the
-        sampler's default variants (`sampler.precompile`), so that serving compiles nothing new. A shape of at most `WARM_UP_TOKENS` tokens is also
-        run once on its padding-only input (nothing is written to the pool): an executable's
-        first run on CPU costs 0.1-0.5 s more than the later ones, which would otherwise land
-        on a request. Larger shapes take seconds a step, and are left to pay it when met."""
+        sampler's default variants (`sampler.precompile`), so that serving compiles nothing
+        new. A shape of at most `WARM_UP_TOKENS` tokens is also run once on its padding-only
+        input (nothing is written to the pool): an executable's first run on CPU costs
+        0.1-0.5 s more than the later ones, which would otherwise land on a request. Larger
+        shapes take seconds a step, and are left to pay it when met."""
         for B, Q, C in tqdm(shapes, desc="Compiling step shapes", disable=not progress):
             batch = self._padding_batch(B, Q, C)
             key = self._shape_key(batch, False)
