@@ -189,7 +189,8 @@ class ModelRunner:
             if B * Q <= WARM_UP_TOKENS:
                 # Runs while the next shape compiles (dispatch is asynchronous).
                 _, self.kv_cache = compiled(self.params, self.kv_cache, batch)
-        sampler.precompile(self.config.vocab_size, next_power_of_2(self.max_num_seqs))
+        # `prepare_sampling` pads the sample count to a power of two.
+        sampler.precompile(self.config.vocab_size, pow2s(1, next_power_of_2(self.max_num_seqs)))
         jax.block_until_ready(self.kv_cache)
 
     def _padding_batch(self, B: int, Q: int, C: int) -> ModelInput:

@@ -215,9 +215,7 @@ def argmax(x: jax.Array) -> jax.Array:
     vectorizes; `jnp.argmax` lowers to a (value, index) pair reduction that it does not (4x
     slower over a [46, 49152] logits array here).
     """
-    top = jnp.max(x, axis=-1, keepdims=True)
-    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    return jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
+    return _first_true(x == jnp.max(x, axis=-1, keepdims=True))
 
 
 def _logprob_stats(raw: jax.Array, tokens: jax.Array, num_logprobs: int):
@@ -246,8 +244,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
     Returns:
       `SamplerOutput` with i32[R] token ids and their raw log-probabilities.
     """
-    raw = logits
-    x = raw if md.logit_bias is None else raw + md.logit_bias
+    x = logits if md.logit_bias is None else logits + md.logit_bias
     if md.output_counts is not None:
         x = apply_penalties(x, md)
     if all_greedy:
@@ -267,7 +264,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
         # A row with every token masked (logit bias and min_tokens together can do that) has
         # nothing to draw from: it takes the greedy path's token, as a greedy row would.
         tokens = jnp.where((md.temperature > 0) & jnp.isfinite(row_max[:, 0]), drawn, tokens)
-    return SamplerOutput(tokens, *_logprob_stats(raw, tokens, num_logprobs))
+    return SamplerOutput(tokens, *_logprob_stats(logits, tokens, num_logprobs))
 
 
 sample_jit = jax.jit(sample, static_argnames=("all_greedy", "num_logprobs"))
@@ -279,11 +276,11 @@ def gather_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
     return logits[rows]
 
 
-def precompile(vocab_size: int, max_num_samples: int) -> None:
+def precompile(vocab_size: int, sample_counts: list[int]) -> None:
     """Compiles the greedy and the temperature-only variants (no top-k, top-p or min-p, the
-    default `SamplingParams`) for every padded sample count R up to `max_num_samples`, so
-    that the first such request of each size compiles nothing. Two threads: XLA compiles
-    outside the GIL."""
+    default `SamplingParams`) for each padded sample count R in `sample_counts`, so that the
+    first such request of each size compiles nothing. Two threads: XLA compiles outside the
+    GIL."""
     def run(R: int, all_greedy: bool) -> None:
         zeros = jnp.zeros((R,), jnp.int32)
         md = SamplingMetadata(temperature=jnp.ones((R,)), top_k=zeros, top_p=jnp.ones((R,)),
@@ -291,10 +288,9 @@ def precompile(vocab_size: int, max_num_samples: int) -> None:
         jax.block_until_ready(sample_jit(jnp.zeros((R, vocab_size)), md,
                                          all_greedy=all_greedy, num_logprobs=0))
 
-    sizes = [1 << i for i in range(max(1, max_num_samples).bit_length())
-             if 1 << i < 2 * max_num_samples]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        list(pool.map(run, sizes + sizes, [True] * len(sizes) + [False] * len(sizes)))
+        list(pool.map(run, sample_counts * 2,
+                      [True] * len(sample_counts) + [False] * len(sample_counts)))
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))

@@ -47,6 +47,11 @@ class SchedulerOutput:
         return seq.num_computed_tokens + self.num_scheduled_tokens[row] == seq.num_tokens
 
 
+def _is_decode(seq: Sequence) -> bool:
+    """Whether `seq`'s next step computes one generated token (not a prompt or a recompute)."""
+    return seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_output_tokens > 0
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
@@ -66,8 +71,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         """The next step's batch, or None when nothing is waiting or running."""
         out = SchedulerOutput([], [], [])
-        decoding = any(s.num_tokens - s.num_computed_tokens == 1 and s.num_output_tokens > 0
-                       for s in self.running)
+        decoding = any(_is_decode(s) for s in self.running)
         self._prefills_left = self.config.max_num_partial_prefills if decoding else None
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -94,8 +98,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             remaining = seq.num_tokens - seq.num_computed_tokens
-            is_decode = remaining == 1 and seq.num_output_tokens > 0
-            q = 1 if is_decode else self._prefill_tokens(seq, remaining, budget)
+            q = 1 if _is_decode(seq) else self._prefill_tokens(seq, remaining, budget)
             if q == 0:  # a prompt chunk held back by the prefill cap
                 continue
             while not self.block_manager.can_append(seq, q):
