@@ -96,7 +96,7 @@ def hf_tensors(reader, num_layers: int, num_heads: int, num_kv_heads: int,
 
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, num_layers)
     hf_names = {}
-    for hf_pattern, _, _ in LLAMA_NAME_MAP:
+    for hf_pattern, *_ in LLAMA_NAME_MAP:
         for i in range(num_layers) if "{i}" in hf_pattern else [None]:
             hf_name = hf_pattern.format(i=i)
             gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight",))

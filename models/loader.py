@@ -1,9 +1,11 @@
 """Loads Hugging Face safetensors checkpoints into the NNX models, by a declarative name map.
 
 Each entry maps a HF parameter name (with `{i}` standing for the layer index) to the path of our
-parameter and says whether the matrix is transposed (HF `nn.Linear.weight` is `[out, in]`, NNX
-`Linear.kernel` is `[in, out]`). Loading fails if a checkpoint key is left unused, a parameter is
-left unfilled, or a shape differs.
+parameter, says whether the matrix is transposed (HF `nn.Linear.weight` is `[out, in]`, NNX
+`Linear.kernel` is `[in, out]`), and which part of a stacked parameter it is: q, k and v go side
+by side along the output axis of one `qkv_proj`, gate and up of one `gate_up_proj` (vLLM's
+`stacked_params_mapping`). Loading fails if a checkpoint key is left unused, a parameter (or
+part) is left unfilled, or a shape differs.
 """
 
 from __future__ import annotations
@@ -20,29 +22,34 @@ from safetensors import safe_open
 from jaxpaged.models.config import LlamaConfig
 from jaxpaged.models.llama import LlamaForCausalLM
 
-# (HF name, our parameter path, transpose)
-LLAMA_NAME_MAP: tuple[tuple[str, str, bool], ...] = (
-    ("model.embed_tokens.weight", "embed_tokens.embedding", False),
-    ("model.norm.weight", "norm.weight", False),
-    ("lm_head.weight", "lm_head.kernel", True),
-    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight", False),
+# (HF name, our parameter path, transpose, (part, parts) of a stacked parameter or None)
+LLAMA_NAME_MAP: tuple[tuple[str, str, bool, tuple[int, int] | None], ...] = (
+    ("model.embed_tokens.weight", "embed_tokens.embedding", False, None),
+    ("model.norm.weight", "norm.weight", False, None),
+    ("lm_head.weight", "lm_head.kernel", True, None),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight", False,
+     None),
     ("model.layers.{i}.post_attention_layernorm.weight",
-     "layers.{i}.post_attention_layernorm.weight", False),
-    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.self_attn.q_proj.kernel", True),
-    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.k_proj.kernel", True),
-    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.self_attn.v_proj.kernel", True),
-    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.self_attn.o_proj.kernel", True),
-    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_proj.kernel", True),
-    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.up_proj.kernel", True),
-    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.kernel", True),
+     "layers.{i}.post_attention_layernorm.weight", False, None),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.self_attn.qkv_proj.kernel", True,
+     (0, 3)),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.qkv_proj.kernel", True,
+     (1, 3)),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.self_attn.qkv_proj.kernel", True,
+     (2, 3)),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.self_attn.o_proj.kernel", True,
+     None),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_up_proj.kernel", True, (0, 2)),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.gate_up_proj.kernel", True, (1, 2)),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.kernel", True, None),
 )
 # Keys some checkpoints carry that the model does not use (precomputed RoPE buffers).
 IGNORED_KEYS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
 
 
 def _compile(name_map):
-    return [(re.compile(re.escape(hf).replace(r"\{i\}", r"(\d+)") + "$"), ours, t)
-            for hf, ours, t in name_map]
+    return [(re.compile(re.escape(hf).replace(r"\{i\}", r"(\d+)") + "$"), ours, t, part)
+            for hf, ours, t, part in name_map]
 
 
 def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
@@ -56,6 +63,14 @@ def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
             for key in f.keys():
                 tensors[key] = f.get_tensor(key)
     return tensors
+
+
+def _part_widths(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Output width of each part of the stacked parameters, by path below `layers.{i}`."""
+    N, K, H = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    F = config.intermediate_size
+    return {"self_attn.qkv_proj.kernel": (N * H, K * H, K * H),
+            "mlp.gate_up_proj.kernel": (F, F)}
 
 
 def _param_paths(state: nnx.State) -> list[str]:
@@ -80,11 +95,15 @@ def load_llama(model_dir: str | Path, config: LlamaConfig, dtype,
     paths = _param_paths(abstract_state)
     expected = dict(zip(paths, jax.tree_util.tree_leaves(abstract_state)))
 
-    found: dict[str, np.ndarray] = {}
+    parts_of: dict[str, list[str]] = {}  # stacked parameter -> its parts' HF names, in order
+    for hf, ours, _, part in LLAMA_NAME_MAP:
+        if part:
+            parts_of.setdefault(ours, [""] * part[1])[part[0]] = hf
+    found: dict[str, dict[int, np.ndarray]] = {}  # our path -> {part: tensor}
     unused = []
     patterns = _compile(LLAMA_NAME_MAP)
     for key, tensor in read_safetensors(model_dir).items():
-        for pattern, ours, transpose in patterns:
+        for pattern, ours, transpose, part in patterns:
             m = pattern.match(key)
             if m:
                 break
@@ -98,19 +117,31 @@ def load_llama(model_dir: str | Path, config: LlamaConfig, dtype,
                 continue
             unused.append(key)
             continue
-        found[ours] = tensor.T if transpose else tensor
+        found.setdefault(ours, {})[part[0] if part else 0] = tensor.T if transpose else tensor
     if unused:
         raise ValueError(f"checkpoint keys not used by the model: {unused[:8]}"
                          f"{' ...' if len(unused) > 8 else ''}")
 
+    widths = _part_widths(config)
     leaves = []
     for path in paths:
-        if path not in found:
-            raise ValueError(f"parameter {path} has no tensor in the checkpoint")
+        template = re.sub(r"^layers\.\d+\.", "layers.{i}.", path)
+        hf_parts = parts_of.get(template, [None])
+        got = found.get(path, {})
         want = expected[path]
-        if tuple(found[path].shape) != tuple(want.shape):
-            raise ValueError(f"parameter {path}: checkpoint shape {found[path].shape}, "
-                             f"model expects {want.shape}")
-        leaves.append(jnp.asarray(found[path], dtype=dtype))
+        layer = re.match(r"layers\.(\d+)\.", path)
+        for j, hf in enumerate(hf_parts):
+            name = hf and hf.format(i=layer.group(1) if layer else None)
+            if j not in got:
+                raise ValueError(f"parameter {path} has no tensor in the checkpoint"
+                                 + (f" for its part {name}" if name else ""))
+            part_shape = (want.shape if hf is None
+                          else (*want.shape[:-1], widths[template.split(".", 2)[-1]][j]))
+            if tuple(got[j].shape) != tuple(part_shape):
+                raise ValueError(f"parameter {path}{f' (part {name})' if name else ''}: "
+                                 f"checkpoint shape {got[j].shape}, model expects {part_shape}")
+        tensor = got[0] if hf_parts == [None] else np.concatenate(
+            [got[j] for j in range(len(hf_parts))], axis=-1)
+        leaves.append(jnp.asarray(tensor, dtype=dtype))
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_state), leaves)
     return nnx.merge(graphdef, state)
