@@ -13,6 +13,7 @@ import numpy as np
 from transformers import AutoTokenizer, GenerationConfig
 
 from jaxpaged.block_manager import BlockManager
+from jaxpaged.buckets import bucket
 from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import EngineDeadError, InvalidRequestError
@@ -79,11 +80,12 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(model_dir)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         model = load_llama(model_dir, self.model_config, self.dtype, self.attention_backend)
         self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
                                   self.eos_token_ids, self.scheduler_config.max_num_seqs,
                                   self.scheduler_config.max_model_len)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
+                                   padded_tokens=bucket if self.runner.packed else None)
         self.executor = FaultIsolatingExecutor(self.runner)
         if precompile is True or (precompile == "auto" and self.runner.packed):
             sc = self.scheduler_config

@@ -23,6 +23,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxpaged import sampler
+from jaxpaged.buckets import bucket, buckets_upto, next_power_of_2, pow2s
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import LlamaConfig, LlamaForCausalLM, ModelInput, forward
 from jaxpaged.pallas_kernels import PAD_SLOT_ID, copy_blocks
@@ -42,30 +43,6 @@ class SampledToken:
     # (token id, log-probability) of the `logprobs` most likely tokens, most likely first; empty
     # for logprobs=0 (only the sampled token's), None when the request asked for none
     top: list[tuple[int, float]] | None
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def bucket(n: int) -> int:
-    """The smallest of 0, 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5 times them)
-    that holds n: padding costs at most a third of the work, with two shapes per doubling."""
-    p = next_power_of_2(n)
-    return 0 if n <= 0 else p * 3 // 4 if p >= 4 and n <= p * 3 // 4 else p
-
-
-def pow2s(lo: int, hi: int) -> list[int]:
-    """The powers of two from lo up to hi (both powers of two)."""
-    return [1 << i for i in range(lo.bit_length() - 1, hi.bit_length())]
-
-
-def buckets_upto(n: int) -> list[int]:
-    """Every `bucket` value from 1 up to `bucket(n)`."""
-    out = [1]
-    while out[-1] < n:
-        out.append(bucket(out[-1] + 1))
-    return out
 
 
 def _padding_context(NB: int, B: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -33,6 +33,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.buckets import next_power_of_2
+
 # Candidates taken for a top-p row when no top-k bounds it; its nucleus is found by bisection
 # when these do not hold it.
 TOP_P_CANDIDATES = 256
@@ -81,7 +83,7 @@ def num_candidates(top_ks, top_ps, vocab_size: int) -> int:
             need = max(need, int(k))
         elif p < 1:
             need = max(need, TOP_P_CANDIDATES)
-    return 0 if need == 0 else min(vocab_size, 1 << (need - 1).bit_length())
+    return 0 if need == 0 else min(vocab_size, next_power_of_2(need))
 
 
 def _sample_key(seed: jax.Array, step: jax.Array) -> jax.Array:

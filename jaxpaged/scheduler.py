@@ -12,9 +12,12 @@ A step that decodes caps its prompt tokens so that decodes keep a steady pace (v
 `long_prefill_token_threshold` and `max_num_partial_prefills`, applied only while something
 decodes): each prompt computes at most `long_prefill_token_threshold` tokens in it and at most
 `max_num_partial_prefills` prompts compute. Inter-token latency then stays near the cost of a
-decode step plus that many prompt tokens however long the queued prompts are. A step with no
-decodes uses the whole budget, so an idle engine starts a prompt as fast as before. A prompt
-that wants prompt log-probabilities is computed in one piece, and is not capped.
+decode step plus that many prompt tokens however long the queued prompts are. When the runner
+pads a step's tokens to a bucket (`padded_tokens`; the packed layout), the capped prompt chunks
+may also take the padding that the decodes and the threshold leave, since a step costs its padded
+size: 31 decodes and a threshold of 128 pad to 192 tokens, so the prompt computes 161. A step
+with no decodes uses the whole budget, so an idle engine starts a prompt as fast as before. A
+prompt that wants prompt log-probabilities is computed in one piece, and is not capped.
 
 When a running sequence needs a block and none is free, the most recently admitted running
 sequence is preempted by recompute: its blocks are freed and it goes back to the front of the
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import SchedulerConfig
@@ -53,14 +57,25 @@ def _is_decode(seq: Sequence) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    """Args:
+      config: the batching limits and the prefill cap.
+      block_manager: the KV pool's blocks.
+      padded_tokens: the number of tokens a step of n tokens is padded to (the runner's
+        `buckets.bucket` on the packed layout), or None when steps are not padded that way.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 padded_tokens: Callable[[int], int] | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.padded_tokens = padded_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         # Prompts the step being built may still compute while something decodes (None: no cap).
         self._prefills_left: int | None = None
+        # Padding of the step being built that capped prompt chunks may still take.
+        self._padding_left = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -71,8 +86,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         """The next step's batch, or None when nothing is waiting or running."""
         out = SchedulerOutput([], [], [])
-        decoding = any(_is_decode(s) for s in self.running)
-        self._prefills_left = self.config.max_num_partial_prefills if decoding else None
+        num_decodes = sum(map(_is_decode, self.running))
+        self._prefills_left = self.config.max_num_partial_prefills if num_decodes else None
+        self._padding_left = 0
+        threshold = self.config.long_prefill_token_threshold
+        if num_decodes and threshold and self.padded_tokens is not None:
+            capped = min(num_decodes + threshold * self.config.max_num_partial_prefills,
+                         self.config.max_num_batched_tokens)
+            self._padding_left = min(self.padded_tokens(capped),
+                                     self.config.max_num_batched_tokens) - capped
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -88,7 +110,11 @@ class Scheduler:
             return 0
         self._prefills_left -= 1
         threshold = self.config.long_prefill_token_threshold
-        return min(q, threshold) if threshold else q
+        if not threshold:
+            return q
+        q = min(q, threshold + self._padding_left)
+        self._padding_left -= max(0, q - threshold)
+        return q
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Adds each running sequence's next token (or prompt chunk); returns the budget left."""

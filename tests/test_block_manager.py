@@ -3,6 +3,7 @@
 import pytest
 
 from jaxpaged.block_manager import BlockManager
+from jaxpaged.buckets import bucket
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
@@ -61,10 +62,10 @@ def test_allocate_without_room_raises():
     assert bm.num_free_blocks == 2
 
 
-def make_scheduler(num_blocks=16, block_size=4, **kwargs):
+def make_scheduler(num_blocks=16, block_size=4, padded_tokens=None, **kwargs):
     kwargs.setdefault("max_model_len", 32)
     bm = BlockManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(**kwargs), bm), bm
+    return Scheduler(SchedulerConfig(**kwargs), bm, padded_tokens=padded_tokens), bm
 
 
 def run_decode_tokens(out):
@@ -129,6 +130,28 @@ def test_chunked_prefill_cuts_prompts_to_the_budget_and_decodes_go_first(
     else:
         assert out.seqs == [a, b, c] and out.num_scheduled_tokens == [1, 3, 3]
     assert out.completes(0) and not out.completes(1)
+
+
+@pytest.mark.parametrize("max_num_partial_prefills, expected", [(1, [1] * 5 + [7]),
+                                                                  (2, [1] * 5 + [7, 4])])
+def test_capped_prompt_chunks_take_the_padding_of_the_step(max_num_partial_prefills, expected):
+    """With the packed layout's padding (`buckets.bucket`), 5 decodes and a threshold of 4 make
+    9 tokens of a padded 12 (partial prefills 1) or 13 of 16 (2): the capped chunks take the
+    rest, the first prompt first."""
+    sched, _ = make_scheduler(num_blocks=32, max_num_seqs=8, max_model_len=32,
+                              max_num_batched_tokens=16, long_prefill_token_threshold=4,
+                              max_num_partial_prefills=max_num_partial_prefills,
+                              padded_tokens=bucket)
+    decoding = [seq(2) for _ in range(5)]
+    for s in decoding:
+        sched.add(s)
+    run_decode_tokens(sched.schedule())
+    b, c = seq(20), seq(20)
+    sched.add(b)
+    sched.add(c)
+    out = sched.schedule()
+    assert out.seqs[:5] == decoding and out.num_scheduled_tokens == expected
+    assert sum(expected) == bucket(5 + 4 * max_num_partial_prefills)
 
 
 def test_prompt_logprobs_requests_are_never_chunked():
