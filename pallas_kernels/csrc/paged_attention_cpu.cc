@@ -59,6 +59,7 @@ namespace {
 constexpr float kMaskValue = -1e30f;  // matches reference._MASK_VALUE
 constexpr int64_t kTile = 16;         // keys per online-softmax update (new tokens)
 constexpr int64_t kQueryChunk = 32;   // new tokens per task
+constexpr int64_t kPrefetchBlocks = 2;  // cached blocks read ahead
 
 struct Shapes {
   int64_t T, N, H, K, G, P, S, L, B, NB;
@@ -259,13 +260,29 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
       rows[r] = Row{qs + r * H, qs + (R + r) * H, kMaskValue, 0.f};
     }
 
-  // The cached context: every query sees all of it.
-  for (int64_t e = a.row_start[task.b]; e < a.row_start[task.b + 1]; ++e) {
+  // The cached context: every query sees all of it. The blocks lie anywhere in the pool, so
+  // the hardware prefetcher cannot run ahead from one to the next: the keys and values of the
+  // block kPrefetchBlocks ahead are prefetched while this one is computed.
+  const int64_t e0 = a.row_start[task.b], e1 = a.row_start[task.b + 1];
+  auto block_of = [&](int64_t e, const float* pages) {
+    return pages + (k * d.P + a.blocks[e]) * d.S * H;
+  };
+  auto prefetch = [&](int64_t e) {
+    if (e >= e1) return;
+    const int64_t bytes = std::clamp<int64_t>(a.lens[e], 0, d.S) * H * sizeof(float);
+    const char* kb = reinterpret_cast<const char*>(block_of(e, a.k_pages));
+    const char* vb = reinterpret_cast<const char*>(block_of(e, a.v_pages));
+    for (int64_t off = 0; off < bytes; off += 64) {
+      __builtin_prefetch(kb + off, 0, 2);
+      __builtin_prefetch(vb + off, 0, 2);
+    }
+  };
+  for (int64_t e = e0; e < e0 + kPrefetchBlocks; ++e) prefetch(e);
+  for (int64_t e = e0; e < e1; ++e) {
+    prefetch(e + kPrefetchBlocks);
     const int64_t n = std::clamp<int64_t>(a.lens[e], 0, d.S);
     if (n == 0) continue;
-    const float* kb = a.k_pages + (k * d.P + a.blocks[e]) * d.S * H;
-    const float* vb = a.v_pages + (k * d.P + a.blocks[e]) * d.S * H;
-    Update(rows.data(), R, kb, vb, H, n, H, s, ld);
+    Update(rows.data(), R, block_of(e, a.k_pages), block_of(e, a.v_pages), H, n, H, s, ld);
   }
 
   // The new tokens, causal: new token i sees new tokens 0..i.
