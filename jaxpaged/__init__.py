@@ -9,9 +9,9 @@ from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from jaxpaged.llm import LLM
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "CompletionOutput", "EngineDeadError", "InvalidRequestError", "Logprob",
-           "RequestFailedError", "RequestOutput", "SamplingParams"]
+           "RequestFailedError", "RequestOutput", "RequestOutputKind", "SamplingParams"]
 __version__ = "0.1.0"

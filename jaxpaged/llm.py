@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence as SequenceABC
 
@@ -13,7 +14,7 @@ from jaxpaged.errors import InvalidRequestError
 from jaxpaged.llm_engine import LLMEngine
 from jaxpaged.model_store import resolve_model
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict
 
@@ -148,6 +149,9 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         try:
             for prompt, sp in zip(prompts, params):
+                # Only the final output is kept: the engine need not build the others.
+                sp = copy.copy(sp)
+                sp.output_kind = RequestOutputKind.FINAL_ONLY
                 request_ids.append(engine.add_request(prompt, sp))
             with tqdm(total=len(request_ids), desc="Processed prompts",
                       disable=not use_tqdm) as bar:

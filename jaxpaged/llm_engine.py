@@ -190,7 +190,8 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step; returns the outputs of the requests it advanced.
+        """Schedules and runs one step; returns the outputs of the requests it advanced, each
+        as its `SamplingParams.output_kind` says (a FINAL_ONLY request only when it finishes).
 
         Finished requests are returned once with `finished=True` and then forgotten. A request
         that a fault in the step is traced to (see `FaultIsolatingExecutor`) is returned
@@ -236,7 +237,9 @@ class LLMEngine:
         for request_id, request in touched.items():
             if request.finished:
                 request.metrics.finished_time = time.time()
-            outputs.append(request.output())
+            output = request.output()
+            if output is not None:
+                outputs.append(output)
             if request.finished:
                 del self.requests[request_id]
         return outputs
@@ -260,6 +263,8 @@ class LLMEngine:
         for target, token in zip(targets, row_samples):
             self._append_token(target, token, request.detokenizers[target.index],
                                request.stop_states[target.index])
+        request.metrics.num_generation_tokens = max(request.metrics.num_generation_tokens,
+                                                    seq.num_output_tokens)
         return True
 
     # -- faults -----------------------------------------------------------------------------

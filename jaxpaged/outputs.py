@@ -49,9 +49,10 @@ class RequestOutput:
 
 @dataclasses.dataclass
 class RequestMetrics:
-    """Wall-clock times (seconds, `time.time()`) of a request's milestones."""
+    """Wall-clock times (seconds, `time.time()`) of a request's milestones, and its length."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_generation_tokens: int = 0  # tokens generated so far (the longest completion's)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 
@@ -12,6 +13,14 @@ from jaxpaged.stop_strings import StopStrings
 MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for per token (vLLM's default)
 MAX_STOP_STRINGS = 64  # stop strings per request
 MAX_STOP_STRING_CHARS = 256  # characters per stop string
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a request holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far: text, token ids and logprobs from the first token
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # one output, when the request finishes (what `LLM.generate` uses)
 
 
 @dataclasses.dataclass
@@ -46,6 +55,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     allowed_token_ids: list[int] | None = None  # if set, only these tokens can be sampled
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: StopStrings | None = dataclasses.field(  # the automaton over `stop`
         default=None, init=False, repr=False, compare=False)
 
@@ -109,6 +119,13 @@ class SamplingParams:
                       "spaces_between_special_tokens"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be a bool")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", "must be a RequestOutputKind")
+        # The n best of best_of completions are known only at the end, and their indices change
+        # then, which deltas sent earlier cannot follow.
+        if self.output_kind is RequestOutputKind.DELTA and self.best_of not in (None, self.n):
+            bad("output_kind", f"DELTA needs best_of == n (got best_of={self.best_of}, "
+                f"n={self.n})")
 
     @property
     def is_greedy(self) -> bool:

@@ -78,7 +78,7 @@ class ServerMetrics:
             return
         self.ttft.observe(m.first_token_time - m.arrival_time)
         self.e2e.observe(m.finished_time - m.arrival_time)
-        num_tokens = max(len(c.token_ids) for c in output.outputs)
+        num_tokens = m.num_generation_tokens  # the output may be a stream's last delta
         if num_tokens > 1:
             self.tpot.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
 

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
-from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxpaged.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 # JSON object keys are strings: logit_bias's token ids are the one place a string becomes an int.
@@ -70,7 +70,8 @@ class _SamplingRequest(_Request):
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None, best_of: int | None = None
                         ) -> SamplingParams:
-        """Raises ValueError for combinations SamplingParams rejects."""
+        """Deltas for a stream, the final output alone otherwise; raises ValueError for
+        combinations SamplingParams rejects."""
         return SamplingParams(
             n=self.n, best_of=best_of, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
@@ -82,7 +83,8 @@ class _SamplingRequest(_Request):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            logit_bias=self.logit_bias)
+            logit_bias=self.logit_bias,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
     @property
     def include_usage(self) -> bool:

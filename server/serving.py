@@ -2,7 +2,9 @@
 
 Each prompt of a request becomes one engine request (`{request id}-{prompt index}`); choice
 `i * n + j` is completion `j` of prompt `i`. Every prompt is tokenized, length-checked and added
-before any response byte is sent, so a bad request gets a 400 and leaves nothing queued. Streams
+before any response byte is sent, so a bad request gets a 400 and leaves nothing queued. A
+streamed request asks the engine for `DELTA` outputs, which become the chunks as they are; any
+other asks for `FINAL_ONLY`. Streams
 carry server-sent events in OpenAI's chunk format and end with `data: [DONE]`; leaving a stream
 early (the client disconnects) aborts its engine requests. A request that fails in the engine
 gets a 500 (or, once streaming, an error event before `[DONE]`) with the reason.
@@ -141,9 +143,13 @@ class OpenAIServing:
         return finals
 
     @staticmethod
-    def _usage(finals: list[RequestOutput]) -> api.UsageInfo:
+    def _usage(finals: list[RequestOutput], num_completion_tokens: int | None = None
+               ) -> api.UsageInfo:
+        """Tokens of the finished requests' prompts and of their completions (counted from the
+        final outputs, unless a stream of deltas counted them)."""
         prompt = sum(len(f.prompt_token_ids) for f in finals)
-        completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+        completion = (sum(len(c.token_ids) for f in finals for c in f.outputs)
+                      if num_completion_tokens is None else num_completion_tokens)
         return api.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                              total_tokens=prompt + completion)
 
@@ -194,25 +200,28 @@ class OpenAIServing:
 
     def _completion_choice(self, req: api.CompletionRequest, index: int,
                            prompt: tuple[str, list[int]], output: RequestOutput,
-                           c: CompletionOutput, seen: tuple[int, int] = (0, 0)
-                           ) -> api.CompletionChoice:
-        """Choice `index` from `c`, less the (tokens, characters) `seen` in earlier chunks of
-        a stream; an echoed choice starts with the prompt the first time it is sent."""
-        seen_tokens, seen_chars = seen
-        text, echo = c.text[seen_chars:], req.echo and seen == (0, 0)
+                           c: CompletionOutput, sent_chars: int | None = None,
+                           prompt_logprobs: list | None = None) -> api.CompletionChoice:
+        """Choice `index` from `c`: a final output, or in a stream the delta after `sent_chars`
+        characters sent in earlier chunks (None: the choice's first chunk). An echoed choice
+        starts with the prompt (and its `prompt_logprobs`, by default the output's) the first
+        time it is sent."""
+        echo = req.echo and sent_chars is None
         logprobs = None
         if req.logprobs is not None:
-            ids, lps = c.token_ids[seen_tokens:], c.logprobs[seen_tokens:]
-            offset = seen_chars + (len(prompt[0]) if req.echo else 0)
+            ids, lps = c.token_ids, c.logprobs
+            offset = (sent_chars or 0) + (len(prompt[0]) if req.echo else 0)
             if echo:  # the prompt's first token has no log-probability: None, as in OpenAI's
-                ids, lps, offset = output.prompt_token_ids + ids, output.prompt_logprobs + lps, 0
+                plp = output.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
+                ids, lps, offset = output.prompt_token_ids + ids, plp + lps, 0
             logprobs = completion_logprobs(ids, lps, offset, first_token_text=prompt[2])
-        return api.CompletionChoice(index=index, text=prompt[0] + text if echo else text,
+        return api.CompletionChoice(index=index, text=prompt[0] + c.text if echo else c.text,
                                     logprobs=logprobs, finish_reason=c.finish_reason,
                                     stop_reason=c.stop_reason)
 
     def _completion_stream(self, req, request_id, prompts, streams) -> AsyncIterator[str]:
         created = int(time.time())
+        prompt_logprobs = {}  # prompt index -> its logprobs (in the first delta only)
 
         def chunk(choices, usage=None):
             return sse(api.CompletionResponse(id=request_id, created=created,
@@ -220,13 +229,17 @@ class OpenAIServing:
                                               usage=usage))
 
         def choices_of(i: int, output: RequestOutput, progress: _Progress) -> list:
+            if output.prompt_logprobs is not None:
+                prompt_logprobs[i] = output.prompt_logprobs
             choices = []
             for c in output.outputs:
                 index = i * req.n + c.index
-                seen = progress.advance(index, c, req.logprobs is not None, req.echo)
-                if seen is not None:
-                    choices.append(self._completion_choice(req, index, prompts[i], output, c,
-                                                           seen))
+                first = index not in progress.sent_chars
+                sent = progress.advance(index, c, req.logprobs is not None, req.echo)
+                if sent is not None:
+                    choices.append(self._completion_choice(
+                        req, index, prompts[i], output, c, None if first else sent,
+                        prompt_logprobs.get(i)))
             return choices
 
         return self._events(streams, chunk, choices_of, req.include_usage)
@@ -237,7 +250,7 @@ class OpenAIServing:
         """A stream's SSE events: `first_choices` if given, then one chunk per engine output
         with something new (`choices_of(prompt index, output, progress)`), the usage chunk if
         asked, an error event if the engine fails, and `[DONE]` last."""
-        progress, finals = _Progress(), []
+        progress, finals, num_completion_tokens = _Progress(), [], 0
         try:
             if first_choices is not None:
                 yield chunk(first_choices)
@@ -245,10 +258,11 @@ class OpenAIServing:
                 choices = choices_of(i, output, progress)
                 if choices:
                     yield chunk(choices)
+                num_completion_tokens += sum(len(c.token_ids) for c in output.outputs)
                 if output.finished:
                     finals.append(output)
             if include_usage:
-                yield chunk([], self._usage(finals))
+                yield chunk([], self._usage(finals, num_completion_tokens))
         except (RequestFailedError, EngineDeadError) as e:
             yield sse(_failed(e).body())
         yield "data: [DONE]\n\n"
@@ -316,18 +330,11 @@ class OpenAIServing:
                 usage=usage)))
 
         def choices_of(_: int, output: RequestOutput, progress: _Progress) -> list:
-            choices = []
-            for c in output.outputs:
-                seen = progress.advance(c.index, c, req.logprobs)
-                if seen is None:
-                    continue
-                seen_tokens, seen_chars = seen
-                lps = None if c.logprobs is None else c.logprobs[seen_tokens:]
-                choices.append(api.ChatChunkChoice(
-                    index=c.index, delta=api.DeltaMessage(content=c.text[seen_chars:]),
-                    logprobs=self._chat_logprobs(req, c.token_ids[seen_tokens:], lps),
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-            return choices
+            return [api.ChatChunkChoice(
+                index=c.index, delta=api.DeltaMessage(content=c.text),
+                logprobs=self._chat_logprobs(req, c.token_ids, c.logprobs),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                for c in output.outputs if progress.advance(c.index, c, req.logprobs) is not None]
 
         roles = [api.ChatChunkChoice(index=j, delta=api.DeltaMessage(role="assistant",
                                                                       content=""))
@@ -336,27 +343,28 @@ class OpenAIServing:
 
 
 class _Progress:
-    """How much of each choice a stream has sent, as (tokens, characters)."""
+    """What a stream has sent of each choice: its characters so far (for the text offsets of
+    logprobs), and which choices have finished. The engine's outputs are deltas (DELTA)."""
 
     def __init__(self):
-        self.sent: dict[int, tuple[int, int]] = {}
+        self.sent_chars: dict[int, int] = {}
         self.done: set[int] = set()
 
     def advance(self, index: int, c: CompletionOutput, with_tokens: bool,
-                send_first: bool = False) -> tuple[int, int] | None:
-        """What was sent of choice `index` before, if `c` has more to send (new text, new
-        tokens when `with_tokens`, its finish, or anything at all the first time when
-        `send_first`); None when there is nothing new or the choice has finished."""
+                send_first: bool = False) -> int | None:
+        """The characters of choice `index` sent before, if the delta `c` has something to
+        send (text, tokens when `with_tokens`, its finish, or anything at all the first time
+        when `send_first`); None when there is nothing new or the choice has finished."""
         if index in self.done:
             return None
-        seen = self.sent.get(index, (0, 0))
-        if not (len(c.text) > seen[1] or (with_tokens and len(c.token_ids) > seen[0])
-                or c.finish_reason or (send_first and index not in self.sent)):
+        if not (c.text or (with_tokens and c.token_ids) or c.finish_reason
+                or (send_first and index not in self.sent_chars)):
             return None
-        self.sent[index] = (len(c.token_ids), len(c.text))
+        sent = self.sent_chars.get(index, 0)
+        self.sent_chars[index] = sent + len(c.text)
         if c.finish_reason:
             self.done.add(index)
-        return seen
+        return sent
 
 
 def _closing(events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:
