@@ -320,10 +320,10 @@ def main(argv=None) -> dict:
     from transformers import AutoTokenizer
 
     from jaxpaged.model_store import resolve_model
-    from jaxpaged.models import LlamaConfig
+    from jaxpaged.models import load_config
 
     model_dir = resolve_model(args.model)
-    config = LlamaConfig.from_pretrained(model_dir)
+    config = load_config(model_dir)
     requests = make_requests(args, AutoTokenizer.from_pretrained(model_dir), config.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".requests.jsonl"), "w") as f:

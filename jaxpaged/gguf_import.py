@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpaged.models.loader import LLAMA_NAME_MAP
+from jaxpaged.models.llama import LLAMA_NAME_MAP
 
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType values
 

@@ -20,7 +20,7 @@ from jaxpaged.errors import EngineDeadError, InvalidRequestError
 from jaxpaged.faults import FaultIsolatingExecutor, describe
 from jaxpaged.input_processor import InputProcessor
 from jaxpaged.model_runner import ModelRunner, num_kv_blocks
-from jaxpaged.models import LlamaConfig, load_llama
+from jaxpaged.models import load_config, load_model
 from jaxpaged.outputs import Logprob, RequestMetrics, RequestOutput
 from jaxpaged.request import Request, new_stop_state
 from jaxpaged.pallas_kernels import resolve_attention_backend
@@ -59,7 +59,7 @@ class LLMEngine:
         if precompile not in (True, False, "auto"):
             raise ValueError(f"precompile must be True, False or 'auto', got {precompile!r}")
         self.attention_backend = resolve_attention_backend(attention_backend)
-        self.model_config = LlamaConfig.from_pretrained(model_dir)
+        self.model_config = load_config(model_dir)
         self.dtype = resolve_dtype(dtype)
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len or self.model_config.max_position_embeddings,
@@ -80,7 +80,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(model_dir)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
-        model = load_llama(model_dir, self.model_config, self.dtype, self.attention_backend)
+        model = load_model(model_dir, self.model_config, self.dtype, self.attention_backend)
         self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
                                   self.eos_token_ids, self.scheduler_config.max_num_seqs,
                                   self.scheduler_config.max_model_len)

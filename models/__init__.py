@@ -1,11 +1,13 @@
-"""Model definitions (Flax NNX) and their Hugging Face checkpoint loaders.
+"""Model definitions (Flax NNX), their Hugging Face checkpoint loaders and the registry.
 
 Imports `pallas_kernels` for attention and nothing of the engine or the server.
 """
 
-from jaxpaged.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig
-from jaxpaged.models.llama import LlamaForCausalLM, ModelInput, forward
-from jaxpaged.models.loader import load_llama
+from jaxpaged.models.base import ModelConfig, ModelInput, forward
+from jaxpaged.models.config import LlamaConfig
+from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.models.registry import (MODEL_REGISTRY, SUPPORTED_ARCHITECTURES, load_config,
+                                      load_model)
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaConfig", "LlamaForCausalLM", "ModelInput", "forward",
-           "load_llama"]
+__all__ = ["MODEL_REGISTRY", "SUPPORTED_ARCHITECTURES", "LlamaConfig", "LlamaForCausalLM",
+           "ModelConfig", "ModelInput", "forward", "load_config", "load_model"]

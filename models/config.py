@@ -11,11 +11,10 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -32,7 +31,10 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """A Llama-family decoder (Llama 2/3, SmolLM2): GQA, RoPE, RMSNorm, SwiGLU."""
+    """A Llama-family decoder (Llama 2/3, SmolLM2): GQA, RoPE, RMSNorm, SwiGLU. Families that
+    add to it subclass it (see `models.qwen3`); the engine reads only `base.ModelConfig`."""
+
+    ARCHITECTURES: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)  # HF names it reads
 
     vocab_size: int  # V
     hidden_size: int  # D
@@ -68,9 +70,9 @@ class LlamaConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
         """Builds the config from the fields of a HF `LlamaConfig` (transformers 4 or 5 layout)."""
         architectures = d.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-            raise ValueError(f"architectures {architectures} are not supported; "
-                             f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+        if not any(a in cls.ARCHITECTURES for a in architectures):
+            raise ValueError(f"architectures {architectures} are not read by {cls.__name__}, "
+                             f"which reads {list(cls.ARCHITECTURES)}")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; only 'silu'")
         for flag in ("attention_bias", "mlp_bias"):

@@ -2,7 +2,8 @@
 
 Matches `transformers.models.llama.modeling_llama.LlamaForCausalLM`: pre-norm decoder layers with
 RMSNorm, rotary position embeddings (rotate-half convention), grouped-query attention and a SwiGLU
-MLP; tied or untied output embeddings. The layers are separate modules (`layers[i]`, HF's tree)
+MLP; tied or untied output embeddings (the layers in `models.layers`, shared with other
+families). The layers are separate modules (`layers[i]`, HF's tree)
 run by a Python loop, so each layer's matmuls read its weights where they lie. A `lax.scan` over
 stacked weights compiles in less time (XLA compiles each layer here), but on CPU XLA copies each
 layer's weight slice before its matmuls, which cost about 7% of a 32-sequence decode step.
@@ -15,122 +16,36 @@ before reading the pool (see `pallas_kernels.attention`).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxpaged import pallas_kernels
+from jaxpaged.models.base import ModelInput
 from jaxpaged.models.config import LlamaConfig
+from jaxpaged.models.layers import DecoderLayer, RMSNorm, linear, rope_cos_sin
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ModelInput:
-    """One step's batch, padded to bucket sizes by the host (all int32 NumPy or jax arrays).
-
-    Row b holds `query_lens[b]` new tokens; slots past it (and rows past the real batch) are
-    padding with `query_lens == 0` and `slot_mapping == PAD_SLOT_ID`. The rows' cached blocks
-    come either as padded `block_tables` (the Pallas kernels) or, when `context_blocks` is set,
-    as one flat list (the XLA path, `pallas_kernels.paged_attention_xla_flat`; `block_tables`
-    is then `[B, 0]`).
-    """
-
-    input_ids: jax.Array  # i32[B, Q] new token ids
-    positions: jax.Array  # i32[B, Q] their positions in the sequence
-    slot_mapping: jax.Array  # i32[B, Q] flat pool slot each new token's K/V is written to
-    block_tables: jax.Array  # i32[B, M] blocks of each row's cached (Pallas: and new) tokens
-    num_computed_tokens: jax.Array  # i32[B] tokens of the row already in the pool
-    query_lens: jax.Array  # i32[B] new tokens in the row (0 for padding rows)
-    context_blocks: jax.Array | None = None  # i32[NB] every row's cached blocks, row by row
-    context_rows: jax.Array | None = None  # i32[NB] row of each (B for padding entries)
-    context_lens: jax.Array | None = None  # i32[NB] cached tokens in each (0 for padding)
-    # Packed layout (the "cpu" backend): i32[S + 1] first token of each of S sequences in the
-    # one row of T tokens (B = 1, Q = T); the per-row arrays above are then per sequence.
-    query_start_loc: jax.Array | None = None
-
-
-class RMSNorm(nnx.Module):
-    """`LlamaRMSNorm`: normalizes in float32, scales in the input dtype."""
-
-    def __init__(self, dim: int, eps: float, *, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
-
-
-def _linear(d_in: int, d_out: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates x: f[B, Q, heads, H] by angles cos, sin: f32[B, Q, H] (HF `rotate_half` style)."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
-
-
-class LlamaAttention(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
-        D, N, K, H = (config.hidden_size, config.num_attention_heads,
-                      config.num_key_value_heads, config.head_dim)
-        self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
-        self.attention_backend = attention_backend
-        # HF's q_proj, k_proj and v_proj side by side (see `loader.LLAMA_NAME_MAP`): one matmul
-        # instead of three, which XLA's CPU GEMMs run faster at the step's small token counts.
-        self.qkv_proj = _linear(D, (N + 2 * K) * H, dtype, rngs)
-        self.o_proj = _linear(N * H, D, dtype, rngs)
-
-    def __call__(self, x, cos, sin, kv_cache, layer: int, batch: ModelInput):
-        # x: [B, Q, D]; kv_cache: [L, 2, K, P, S, H] the whole pool, this layer's at `layer`.
-        B, Q, _ = x.shape
-        N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = jnp.split(self.qkv_proj(x), [N * H, (N + K) * H], axis=-1)
-        q = apply_rope(q.reshape(B, Q, N, H), cos, sin)
-        k = apply_rope(k.reshape(B, Q, K, H), cos, sin)
-        v = v.reshape(B, Q, K, H)
-        context = (None if batch.context_blocks is None else
-                   (batch.context_blocks, batch.context_rows, batch.context_lens))
-        out, kv_cache, new_kv = pallas_kernels.attention(
-            self.attention_backend, q, k, v, kv_cache, layer, batch.slot_mapping,
-            batch.block_tables, batch.num_computed_tokens, batch.query_lens, scale=H ** -0.5,
-            context=context, query_start_loc=batch.query_start_loc)
-        return self.o_proj(out.reshape(B, Q, N * H)), kv_cache, new_kv
-
-
-class LlamaMLP(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
-        D, F = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = _linear(D, 2 * F, dtype, rngs)  # HF's gate_proj, then up_proj
-        self.down_proj = _linear(F, D, dtype, rngs)
-
-    def __call__(self, x):
-        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(jax.nn.silu(gate) * up)
-
-
-class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(config, dtype=dtype, attention_backend=attention_backend,
-                                        rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                dtype=dtype)
-        self.mlp = LlamaMLP(config, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x, cos, sin, kv_cache, layer: int, batch: ModelInput):
-        attn, kv_cache, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache,
-                                                layer, batch)
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv_cache, new_kv
+# (HF name, our parameter path, transpose, (part, parts) of a stacked parameter or None)
+LLAMA_NAME_MAP: tuple[tuple[str, str, bool, tuple[int, int] | None], ...] = (
+    ("model.embed_tokens.weight", "embed_tokens.embedding", False, None),
+    ("model.norm.weight", "norm.weight", False, None),
+    ("lm_head.weight", "lm_head.kernel", True, None),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight", False,
+     None),
+    ("model.layers.{i}.post_attention_layernorm.weight",
+     "layers.{i}.post_attention_layernorm.weight", False, None),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.self_attn.qkv_proj.kernel", True,
+     (0, 3)),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.qkv_proj.kernel", True,
+     (1, 3)),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.self_attn.qkv_proj.kernel", True,
+     (2, 3)),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.self_attn.o_proj.kernel", True,
+     None),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_up_proj.kernel", True, (0, 2)),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.gate_up_proj.kernel", True, (1, 2)),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.kernel", True, None),
+)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -142,6 +57,10 @@ class LlamaForCausalLM(nnx.Module):
     `self_attn.qkv_proj.kernel: f[D, (N + 2K) * H]` and `mlp.gate_up_proj.kernel: f[D, 2F]`.
     """
 
+    config_class = LlamaConfig
+    NAME_MAP = LLAMA_NAME_MAP
+    QK_NORM = False  # a per-head RMSNorm on q and k before RoPE (see `layers.Attention`)
+
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, attention_backend: str = "xla",
                  rngs: nnx.Rngs):
         self.config = config
@@ -149,12 +68,12 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([
-            LlamaDecoderLayer(config, dtype=dtype, attention_backend=self.attention_backend,
-                              rngs=rngs)
+            DecoderLayer(config, dtype=dtype, attention_backend=self.attention_backend,
+                         rngs=rngs, qk_norm=self.QK_NORM)
             for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.lm_head = (None if config.tie_word_embeddings
-                        else _linear(config.hidden_size, config.vocab_size, dtype, rngs))
+                        else linear(config.hidden_size, config.vocab_size, dtype, rngs))
 
     def __call__(self, kv_cache: jax.Array, batch: ModelInput,
                  all_positions: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -204,26 +123,10 @@ class LlamaForCausalLM(nnx.Module):
             logits = self.lm_head(x)
         return logits.astype(jnp.float32)
 
-
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions: i32[B, Q], inv_freq: f32[H // 2] -> cos, sin: f32[B, Q, H] (float32 as HF)."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_cache: jax.Array,
-            batch: ModelInput, all_positions: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The pure step function: `jax.jit(partial(forward, graphdef), donate_argnums=1)`.
-
-    Args:
-      graphdef, params: `nnx.split(model)` of a `LlamaForCausalLM`.
-      kv_cache: f[L, 2, K, P, S, H] the pool; donated, so the write is in place.
-      batch: `ModelInput`.
-      all_positions: static; logits at every new token, f32[B, Q, V].
-
-    Returns:
-      (f32[B, V] logits at each row's last new token (f32[S, V] per sequence when packed),
-      updated kv_cache).
-    """
-    return nnx.merge(graphdef, params)(kv_cache, batch, all_positions)
+    @staticmethod
+    def part_widths(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+        """Output width of each part of the stacked parameters, by path below `layers.{i}`."""
+        N, K, H = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        F = config.intermediate_size
+        return {"self_attn.qkv_proj.kernel": (N * H, K * H, K * H),
+                "mlp.gate_up_proj.kernel": (F, F)}

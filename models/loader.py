@@ -1,4 +1,5 @@
-"""Loads Hugging Face safetensors checkpoints into the NNX models, by a declarative name map.
+"""Loads Hugging Face safetensors checkpoints into the NNX models, by each family's declarative
+name map (`NAME_MAP` on the model class).
 
 Each entry maps a HF parameter name (with `{i}` standing for the layer index) to the path of our
 parameter, says whether the matrix is transposed (HF `nn.Linear.weight` is `[out, in]`, NNX
@@ -19,30 +20,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
-from jaxpaged.models.config import LlamaConfig
-from jaxpaged.models.llama import LlamaForCausalLM
 
-# (HF name, our parameter path, transpose, (part, parts) of a stacked parameter or None)
-LLAMA_NAME_MAP: tuple[tuple[str, str, bool, tuple[int, int] | None], ...] = (
-    ("model.embed_tokens.weight", "embed_tokens.embedding", False, None),
-    ("model.norm.weight", "norm.weight", False, None),
-    ("lm_head.weight", "lm_head.kernel", True, None),
-    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight", False,
-     None),
-    ("model.layers.{i}.post_attention_layernorm.weight",
-     "layers.{i}.post_attention_layernorm.weight", False, None),
-    ("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.self_attn.qkv_proj.kernel", True,
-     (0, 3)),
-    ("model.layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.qkv_proj.kernel", True,
-     (1, 3)),
-    ("model.layers.{i}.self_attn.v_proj.weight", "layers.{i}.self_attn.qkv_proj.kernel", True,
-     (2, 3)),
-    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.self_attn.o_proj.kernel", True,
-     None),
-    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.gate_up_proj.kernel", True, (0, 2)),
-    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.gate_up_proj.kernel", True, (1, 2)),
-    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.mlp.down_proj.kernel", True, None),
-)
 # Keys some checkpoints carry that the model does not use (precomputed RoPE buffers).
 IGNORED_KEYS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
 
@@ -65,43 +43,37 @@ def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _part_widths(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Output width of each part of the stacked parameters, by path below `layers.{i}`."""
-    N, K, H = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    F = config.intermediate_size
-    return {"self_attn.qkv_proj.kernel": (N * H, K * H, K * H),
-            "mlp.gate_up_proj.kernel": (F, F)}
-
-
 def _param_paths(state: nnx.State) -> list[str]:
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     return [".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
             for path, _ in leaves]
 
 
-def load_llama(model_dir: str | Path, config: LlamaConfig, dtype,
-               attention_backend: str = "xla") -> LlamaForCausalLM:
-    """Builds a `LlamaForCausalLM` with weights from `model_dir`, cast to `dtype`.
+def load_weights(model_cls: type[nnx.Module], model_dir: str | Path, config, dtype,
+                 attention_backend: str = "xla") -> nnx.Module:
+    """Builds a `model_cls` (a registered family) with weights from `model_dir`, cast to `dtype`,
+    by the class's `NAME_MAP` and `part_widths(config)`.
 
     `attention_backend` is one of `pallas_kernels.ATTENTION_BACKENDS`.
 
     Raises:
-      ValueError: a checkpoint key matches no entry of `LLAMA_NAME_MAP`, a parameter gets no
-        tensor (or a layer is missing), or a tensor's shape differs from the parameter's.
+      ValueError: a checkpoint key matches no entry of the name map, a parameter (or a part of a
+        stacked one) gets no tensor (or a layer is missing), or a tensor's shape differs from the
+        parameter's.
     """
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(
+    abstract = nnx.eval_shape(lambda: model_cls(
         config, dtype=dtype, attention_backend=attention_backend, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
     paths = _param_paths(abstract_state)
     expected = dict(zip(paths, jax.tree_util.tree_leaves(abstract_state)))
 
     parts_of: dict[str, list[str]] = {}  # stacked parameter -> its parts' HF names, in order
-    for hf, ours, _, part in LLAMA_NAME_MAP:
+    for hf, ours, _, part in model_cls.NAME_MAP:
         if part:
             parts_of.setdefault(ours, [""] * part[1])[part[0]] = hf
     found: dict[str, dict[int, np.ndarray]] = {}  # our path -> {part: tensor}
     unused = []
-    patterns = _compile(LLAMA_NAME_MAP)
+    patterns = _compile(model_cls.NAME_MAP)
     for key, tensor in read_safetensors(model_dir).items():
         for pattern, ours, transpose, part in patterns:
             m = pattern.match(key)
@@ -122,7 +94,7 @@ def load_llama(model_dir: str | Path, config: LlamaConfig, dtype,
         raise ValueError(f"checkpoint keys not used by the model: {unused[:8]}"
                          f"{' ...' if len(unused) > 8 else ''}")
 
-    widths = _part_widths(config)
+    widths = model_cls.part_widths(config)
     leaves = []
     for path in paths:
         template = re.sub(r"^layers\.\d+\.", "layers.{i}.", path)

@@ -9,7 +9,7 @@ import pytest
 
 from jaxpaged import SamplingParams
 from jaxpaged.model_runner import PAD_SLOT_ID, _padding_context
-from jaxpaged.models.llama import ModelInput
+from jaxpaged.models import ModelInput
 
 
 def test_after_precompile_a_mixed_workload_compiles_no_new_step(make_llm, tiny_model_dir):

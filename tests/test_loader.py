@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from jaxpaged.models import LlamaConfig, load_llama
+from jaxpaged.models import load_config, load_model
 from jaxpaged.models.loader import read_safetensors
 
 
 def test_stacked_parameters_hold_the_hf_tensors_side_by_side(tiny_model_dir):
-    config = LlamaConfig.from_pretrained(tiny_model_dir)
-    model = load_llama(tiny_model_dir, config, jnp.float32)
+    model = load_model(tiny_model_dir, load_config(tiny_model_dir), jnp.float32)
     hf = read_safetensors(tiny_model_dir)
     layer = model.layers[1]
     np.testing.assert_array_equal(
@@ -51,4 +50,4 @@ def _edited_copy(tiny_model_dir, tmp_path, edit):
 def test_a_missing_or_misshapen_part_is_named(tiny_model_dir, tmp_path, edit, message):
     model_dir = _edited_copy(tiny_model_dir, tmp_path, edit)
     with pytest.raises(ValueError, match=message):
-        load_llama(model_dir, LlamaConfig.from_pretrained(model_dir), jnp.float32)
+        load_model(model_dir, load_config(model_dir), jnp.float32)

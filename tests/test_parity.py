@@ -1,6 +1,8 @@
 """Parity with Hugging Face transformers (float32, CPU): greedy ids and next-token logits."""
 
 import functools
+import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from transformers import AutoTokenizer, LlamaForCausalLM as HFLlama
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jaxpaged import SamplingParams
-from jaxpaged.models import LlamaConfig, ModelInput, forward, load_llama
+from jaxpaged.models import ModelInput, forward, load_config, load_model
 
 PROMPTS = [
     "Hi",
@@ -26,7 +28,7 @@ MAX_NEW_TOKENS = 24
 
 
 def hf_greedy(model_dir, prompt_ids, max_new_tokens):
-    model = HFLlama.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for ids in prompt_ids:  # one at a time: no padding in the reference
@@ -38,8 +40,8 @@ def hf_greedy(model_dir, prompt_ids, max_new_tokens):
 
 def prefill_logits(model_dir, prompt_ids, block_size=16):
     """Next-token logits of all prompts in one batched prefill, through the pure step function."""
-    config = LlamaConfig.from_pretrained(model_dir)
-    graphdef, params = nnx.split(load_llama(model_dir, config, jnp.float32))
+    config = load_config(model_dir)
+    graphdef, params = nnx.split(load_model(model_dir, config, jnp.float32))
     B, Q = len(prompt_ids), max(len(p) for p in prompt_ids)
     blocks_per_row = -(-Q // block_size)
     kv_cache = jnp.zeros((config.num_hidden_layers, 2, config.num_key_value_heads,
@@ -81,6 +83,40 @@ def check_parity(make_llm, model_dir):
 
 def test_tiny_random_llama_matches_transformers(make_llm, tiny_model_dir):
     check_parity(make_llm, tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory, tiny_model_dir):
+    """A random 2-layer Qwen3 (q/k norms; head_dim 32, not hidden_size / heads = 16)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from conftest import TINY_CONFIG
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY_CONFIG, head_dim=32))
+    with torch.no_grad():  # random norm weights, so that a missing q/k norm shows
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    for f in tiny_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def test_tiny_random_qwen3_matches_transformers(make_llm, tiny_qwen3_dir):
+    check_parity(make_llm, tiny_qwen3_dir)
+
+
+def test_qwen3_with_a_sliding_window_is_refused(tiny_qwen3_dir, tmp_path):
+    shutil.copytree(tiny_qwen3_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=64)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        load_config(tmp_path / "m")
 
 
 @pytest.mark.slow

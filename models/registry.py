@@ -1,0 +1,65 @@
+"""The model registry: Hugging Face `architectures` names to the families that run them.
+
+A family is one file in `models/` with a model class that carries its config class
+(`config_class`), its checkpoint name map (`NAME_MAP`) and the widths of its stacked parameters
+(`part_widths`); adding one is that file and one line here. The engine loads every model
+through `load_config` and `load_model`, and never names a family.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from flax import nnx
+
+from jaxpaged.models.loader import load_weights
+
+# HF architecture name -> (module in jaxpaged.models, class name)
+MODEL_REGISTRY: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
+
+
+def _hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{str(model_dir)!r} has no config.json; expected a Hugging Face "
+                         "model folder")
+    return json.loads(path.read_text())
+
+
+def model_class(hf_config: dict) -> type[nnx.Module]:
+    """The registered class of the first of `hf_config["architectures"]` that is registered.
+
+    Raises:
+      ValueError: none is; the message lists the supported architectures.
+    """
+    architectures = hf_config.get("architectures") or []
+    for name in architectures:
+        if name in MODEL_REGISTRY:
+            module, cls = MODEL_REGISTRY[name]
+            return getattr(importlib.import_module(f"jaxpaged.models.{module}"), cls)
+    raise ValueError(f"architectures {architectures} are not supported; "
+                     f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+
+
+def load_config(model_dir: str | Path):
+    """The family's config of `model_dir/config.json` (meets `base.ModelConfig`).
+
+    Raises:
+      ValueError: no config.json, an unsupported architecture, or a config value the family
+        does not implement (named).
+    """
+    hf_config = _hf_config(model_dir)
+    return model_class(hf_config).config_class.from_hf_dict(hf_config)
+
+
+def load_model(model_dir: str | Path, config, dtype,
+               attention_backend: str = "xla") -> nnx.Module:
+    """The family's model for `model_dir`, with its weights (see `loader.load_weights`)."""
+    return load_weights(model_class(_hf_config(model_dir)), model_dir, config, dtype,
+                        attention_backend)
