@@ -25,10 +25,10 @@ from jaxpaged.sequence import Sequence
 class BlockManager:
     """Allocates physical KV blocks to sequences.
 
-    Methods come in check/act pairs: `can_allocate` / `allocate` for a sequence's prompt (or its
-    recompute after preemption), `can_append` / `append_slots` for new tokens, `free` at the end.
-    The `act` methods raise RuntimeError if their check would have failed: the scheduler must ask
-    first.
+    `allocate` gives a sequence's prompt (or its recompute after preemption) its blocks, or
+    returns None when they do not fit, in one look at the prefix cache. New tokens go through the
+    check/act pair `can_append` / `append_slots` (which raises RuntimeError if its check would
+    have failed), and `free` ends a sequence.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
@@ -61,26 +61,24 @@ class BlockManager:
         """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Whether blocks fit for all of `seq`'s current tokens, its cached prefix shared."""
-        hits = self._cached_prefix(seq)
-        num_revived = sum(1 for b in hits if self.ref_counts[b] == 0)  # evictable now
-        return (self.num_blocks_needed(seq.num_tokens) - len(hits) + num_revived
-                <= self.num_free_blocks)
-
-    def allocate(self, seq: Sequence) -> None:
-        """Gives `seq` (holding no blocks) blocks for all its current tokens.
+    def allocate(self, seq: Sequence) -> list[int] | None:
+        """Gives `seq` (holding no blocks) blocks for all its current tokens and returns its
+        block table; returns None, changing nothing, when they do not fit.
 
         With prefix caching, the blocks of its longest cached prefix are shared and
         `seq.num_computed_tokens` starts past them (at least one token is left to compute, so
         the step yields the logits of the last one).
+
+        Raises:
+          RuntimeError: `seq` already holds blocks.
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
-        if not self.can_allocate(seq):
-            raise RuntimeError(f"allocate needs {self.num_blocks_needed(seq.num_tokens)} blocks, "
-                               f"{self.num_free_blocks} free")
         hits = self._cached_prefix(seq)
+        num_revived = sum(1 for b in hits if self.ref_counts[b] == 0)  # evictable now
+        if (self.num_blocks_needed(seq.num_tokens) - len(hits) + num_revived
+                > self.num_free_blocks):
+            return None
         if self.enable_prefix_caching and seq.num_output_tokens == 0:
             self.num_cache_queries += (seq.num_tokens - 1) // self.block_size
             self.num_cache_hits += len(hits)
@@ -94,6 +92,7 @@ class BlockManager:
         seq.num_registered_blocks = len(hits)
         if seq.num_cached_tokens is None:  # the first allocation, not a recompute
             seq.num_cached_tokens = seq.num_computed_tokens
+        return seq.block_table
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; False (and nothing done) while any block is in use."""

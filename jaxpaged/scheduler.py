@@ -147,15 +147,17 @@ class Scheduler:
         while (self.waiting and budget > 0 and self._prefills_left != 0
                and num_seats + 1 + self.waiting[0].num_forks <= self.config.max_num_seqs):
             seq = self.waiting[0]
-            remaining = seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq)
-            # Prompt log-probabilities are computed in one piece, never chunked; a sequence
-            # preempted after its first token has them already, and is chunked as any other
-            # (its prompt and output together may exceed any step's budget).
-            if ((seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
-                 and remaining > budget)
-                    or not self.block_manager.can_allocate(seq)):
+            # Prompt log-probabilities are computed in one piece, never chunked (and never from
+            # the prefix cache); a sequence preempted after its first token has them already,
+            # and is chunked as any other (its prompt and output together may exceed any step's
+            # budget).
+            if (seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
+                    and seq.num_tokens > budget):
                 break
-            self.block_manager.allocate(seq)  # sets num_computed_tokens past a cached prefix
+            # Sets num_computed_tokens past a cached prefix.
+            if self.block_manager.allocate(seq) is None:
+                break
+            remaining = seq.num_tokens - seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
             num_seats += 1 + seq.num_forks

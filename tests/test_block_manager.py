@@ -17,8 +17,7 @@ def seq(num_tokens, max_tokens=16):
 def test_allocate_takes_blocks_in_free_list_order():
     bm = BlockManager(num_blocks=8, block_size=4)
     a, b = seq(5), seq(4)
-    assert bm.can_allocate(a)
-    bm.allocate(a)
+    assert bm.allocate(a) is not None
     bm.allocate(b)
     assert a.block_table == [0, 1] and b.block_table == [2]
     assert bm.num_free_blocks == 5
@@ -53,13 +52,19 @@ def test_free_returns_blocks_and_reuse_order_is_fifo():
     assert bm.ref_counts == [1, 1, 1, 1]
 
 
-def test_allocate_without_room_raises():
+def test_allocate_without_room_returns_none_and_changes_nothing():
     bm = BlockManager(num_blocks=2, block_size=2)
     s = seq(5)
-    assert not bm.can_allocate(s)
-    with pytest.raises(RuntimeError):
+    assert bm.allocate(s) is None
+    assert bm.num_free_blocks == 2 and s.block_table == []
+
+
+def test_allocate_twice_raises():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    s = seq(3)
+    assert bm.allocate(s) == [0, 1]
+    with pytest.raises(RuntimeError, match="already holds blocks"):
         bm.allocate(s)
-    assert bm.num_free_blocks == 2
 
 
 def make_scheduler(num_blocks=16, block_size=4, padded_tokens=None, **kwargs):
