@@ -83,14 +83,13 @@ def beam_search(engine, prompt_token_ids: list[int], params: BeamSearchParams,
         while beams:
             out = scheduler.schedule()
             sampled, _ = runner.execute(out)
+            scheduler.update_from_output(out)
             row_of = {id(s): r for r, s in enumerate(out.seqs)}
             if not sampled[0]:  # a chunk of a prompt longer than the step's token budget
-                root.num_computed_tokens += out.num_scheduled_tokens[0]
                 continue
             generated = beams[0].seq.num_output_tokens + 1  # length after this step
             candidates = []  # (accumulated logprob, beam index, token, ends)
             for b, beam in enumerate(beams):
-                beam.seq.num_computed_tokens += out.num_scheduled_tokens[row_of[id(beam.seq)]]
                 for token, lp in sampled[row_of[id(beam.seq)]][0].top:
                     candidates.append((beam.score + lp, b, token))
             candidates.sort(key=lambda c: (-c[0], c[1], c[2]))

@@ -218,14 +218,19 @@ class LLMEngine:
             self.dead = e
             raise
         now = time.time()
+        for seq, q in zip(out.seqs, out.num_scheduled_tokens):
+            if seq.request_id not in failed:  # prompt tokens computed (recomputes included)
+                self.num_prompt_tokens += max(0, min(seq.num_computed_tokens + q,
+                                                     seq.num_prompt_tokens)
+                                              - seq.num_computed_tokens)
+        self.scheduler.update_from_output(out, set(failed))
         touched = {}
-        for row, (seq, q, row_samples) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
-                                                        sampled)):
+        for row, (seq, row_samples) in enumerate(zip(out.seqs, sampled)):
             request = self.requests[seq.request_id]
             if seq.request_id in failed:
                 continue
             try:
-                if self._advance(request, seq, q, row_samples, prompt_lps.get(row), now):
+                if self._advance(request, seq, row_samples, prompt_lps.get(row), now):
                     touched[seq.request_id] = request
             except Exception as e:  # in detokenizing or stop checks: this request's own fault
                 logger.exception("request %s failed after its step", seq.request_id)
@@ -244,13 +249,10 @@ class LLMEngine:
                 del self.requests[request_id]
         return outputs
 
-    def _advance(self, request: Request, seq: Sequence, q: int, row_samples: list,
+    def _advance(self, request: Request, seq: Sequence, row_samples: list,
                  prompt_lps: list | None, now: float) -> bool:
-        """Books one row's computed tokens and appends its samples; whether it sampled."""
-        self.num_prompt_tokens += max(0, min(seq.num_computed_tokens + q,
-                                             seq.num_prompt_tokens) - seq.num_computed_tokens)
-        seq.num_computed_tokens += q
-        self.block_manager.cache_full_blocks(seq)
+        """Appends one row's samples (its tokens are already booked by the scheduler's
+        `update_from_output`); whether it sampled."""
         self.num_generation_tokens += len(row_samples)
         if prompt_lps is not None and request.prompt_logprobs is None:
             request.prompt_logprobs = self._prompt_logprob_dicts(request, prompt_lps)

@@ -166,6 +166,18 @@ class Scheduler:
             out.num_scheduled_tokens.append(q)
             budget -= q
 
+    def update_from_output(self, out: SchedulerOutput,
+                           skip_request_ids: frozenset[str] | set[str] = frozenset()) -> None:
+        """Books a step that ran: each row's scheduled tokens are now computed (the one place
+        `num_computed_tokens` advances), and its blocks that became full join the prefix cache.
+        Rows of `skip_request_ids` (requests a fault in the step was traced to, whose K/V cannot
+        be trusted) are left as they were."""
+        for seq, q in zip(out.seqs, out.num_scheduled_tokens):
+            if seq.request_id in skip_request_ids:
+                continue
+            seq.num_computed_tokens += q
+            self.block_manager.cache_full_blocks(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)

@@ -197,3 +197,19 @@ def test_decode_preempts_most_recent_sequence_when_blocks_run_out():
     assert b.block_table == [] and list(sched.waiting) == [b]
     assert a.block_table == [0, 1, 3] and sched.num_preemptions == 1
     assert b.token_ids[-1] == 1  # its generated token is kept for the recompute
+
+
+def test_update_from_output_books_the_step_except_for_faulted_requests():
+    """The scheduler advances num_computed_tokens (and caches the blocks that became full); a
+    request a fault was traced to keeps its state, and its K/V never reach the prefix cache."""
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_model_len=32), bm)
+    a = Sequence("a", 0, list(range(9)), SamplingParams(), 0)
+    b = Sequence("b", 0, list(range(100, 109)), SamplingParams(), 0)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == [9, 9]
+    sched.update_from_output(out, {"b"})
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (9, 0)
+    assert sorted(bm.cached_block_ids.values()) == a.block_table[:2]
