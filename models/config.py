@@ -8,9 +8,7 @@ error deep inside a jitted step.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -106,15 +104,6 @@ class LlamaConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "LlamaConfig":
-        """Reads `model_dir/config.json`. Raises ValueError if it is missing or unsupported."""
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ValueError(f"{str(model_dir)!r} has no config.json; expected a Hugging Face "
-                             "model folder")
-        return cls.from_hf_dict(json.loads(path.read_text()))
 
     @property
     def num_queries_per_kv(self) -> int:
