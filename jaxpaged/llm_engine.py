@@ -218,12 +218,7 @@ class LLMEngine:
             self.dead = e
             raise
         now = time.time()
-        for seq, q in zip(out.seqs, out.num_scheduled_tokens):
-            if seq.request_id not in failed:  # prompt tokens computed (recomputes included)
-                self.num_prompt_tokens += max(0, min(seq.num_computed_tokens + q,
-                                                     seq.num_prompt_tokens)
-                                              - seq.num_computed_tokens)
-        self.scheduler.update_from_output(out, set(failed))
+        self.num_prompt_tokens += self.scheduler.update_from_output(out, set(failed))
         touched = {}
         for row, (seq, row_samples) in enumerate(zip(out.seqs, sampled)):
             request = self.requests[seq.request_id]

@@ -167,16 +167,21 @@ class Scheduler:
             budget -= q
 
     def update_from_output(self, out: SchedulerOutput,
-                           skip_request_ids: frozenset[str] | set[str] = frozenset()) -> None:
+                           skip_request_ids: frozenset[str] | set[str] = frozenset()) -> int:
         """Books a step that ran: each row's scheduled tokens are now computed (the one place
         `num_computed_tokens` advances), and its blocks that became full join the prefix cache.
         Rows of `skip_request_ids` (requests a fault in the step was traced to, whose K/V cannot
-        be trusted) are left as they were."""
+        be trusted) are left as they were. Returns the prompt tokens booked (recomputes
+        included)."""
+        num_prompt_tokens = 0
         for seq, q in zip(out.seqs, out.num_scheduled_tokens):
             if seq.request_id in skip_request_ids:
                 continue
+            num_prompt_tokens += max(0, min(seq.num_computed_tokens + q, seq.num_prompt_tokens)
+                                     - seq.num_computed_tokens)
             seq.num_computed_tokens += q
             self.block_manager.cache_full_blocks(seq)
+        return num_prompt_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

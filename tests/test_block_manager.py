@@ -210,6 +210,6 @@ def test_update_from_output_books_the_step_except_for_faulted_requests():
     sched.add(b)
     out = sched.schedule()
     assert out.num_scheduled_tokens == [9, 9]
-    sched.update_from_output(out, {"b"})
+    assert sched.update_from_output(out, {"b"}) == 9  # a's prompt tokens, not b's
     assert (a.num_computed_tokens, b.num_computed_tokens) == (9, 0)
     assert sorted(bm.cached_block_ids.values()) == a.block_table[:2]
