@@ -93,7 +93,7 @@ def main(argv=None):
                         *a, scale=scale, k_splits=ks, interpret=interpret)
             cu = jnp.arange(B + 1, dtype=jnp.int32)
             fns["ragged"] = lambda q, kp, vp, bt, cl: ragged_paged_attention(
-                q, kp, vp, bt, cl, cu, B, scale=scale, max_q_len=1, interpret=interpret)
+                q, kp, vp, bt, cl, cu, B, scale=scale, interpret=interpret)
             M = bt.shape[1]
             splits = max(s for s in (1, 2, 4, 8, 16) if M % s == 0)
             fns["jax-bundled"] = lambda q, *a, ks=splits, M=M: jax_paged_attention(

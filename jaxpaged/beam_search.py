@@ -7,17 +7,19 @@ of them that end (EOS, or `max_tokens` reached) enter the finished pool scored
 `sum_logprobs / generated_len ** length_penalty`; the best W that do not end become the next
 beams. Search stops when no running beam can beat the worst of W finished ones.
 
-Memory sharing (PagedAttention section 4.4): a beam that several continuations extend is forked,
-so they share its blocks by reference count (copy-on-write on the partly filled block); a beam no
-continuation extends is freed at once.
+Built on the engine's public API, as vLLM builds beam search on `generate`: each round adds one
+request per beam (its tokens as the prompt, one greedy token with the top K log-probabilities)
+for every prompt still searching, steps the engine until they finish, and extends the beams from
+their candidates. The beams of all prompts run in the same steps. Beams share their common
+prefix through prefix caching: a round's requests find the full blocks of the tokens before it in
+the cache (shared by reference count), and compute only the partly filled last block again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
-from jaxpaged.sequence import Sequence
+from jaxpaged.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
 @dataclasses.dataclass
@@ -56,83 +58,97 @@ class BeamSearchOutput:
 
 
 @dataclasses.dataclass
-class _Beam:
-    seq: Sequence
-    score: float  # accumulated log-probability
+class _Search:
+    """One prompt's search: its running beams (tokens, accumulated log-probability) and the
+    finished pool of (score, cum_logprob, tokens), best first."""
+
+    beams: list[tuple[list[int], float]]
+    finished: list[tuple[float, float, list[int]]] = dataclasses.field(default_factory=list)
+    improvable: bool = True
 
 
-def beam_search(engine, prompt_token_ids: list[int], params: BeamSearchParams,
-                on_step=None) -> BeamSearchOutput:
-    """Runs one prompt's beam search on an idle `LLMEngine`; returns the W best sequences.
+def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams,
+                on_step=None) -> list[BeamSearchOutput]:
+    """Runs beam search for each prompt (token ids) on an `LLMEngine`, all prompts' beams
+    batched in the same steps; returns the W best sequences of each.
 
-    `on_step(engine)` is called after each step (tests use it to watch block usage).
+    `on_step(engine)` is called after each engine step (tests use it to watch block usage).
+
+    Raises:
+      ValueError: a beam width whose K = (1 + number of EOS ids) * W candidates exceed the
+        log-probabilities a request may ask for; what `add_request` raises for a beam.
     """
-    W, P = params.beam_width, len(prompt_token_ids)
+    W = params.beam_width
     eos = set() if params.ignore_eos else engine.eos_token_ids
     K = max(2, 1 + len(eos)) * W
     if K > MAX_LOGPROBS:
         raise ValueError(f"beam_width={W} needs {K} candidates per beam, more than {MAX_LOGPROBS}")
-    sp = SamplingParams(temperature=0, logprobs=K, max_tokens=params.max_tokens, ignore_eos=True)
-    scheduler, runner = engine.scheduler, engine.runner
-    root = Sequence("beam-search", 0, prompt_token_ids, sp, seed=0)
-    scheduler.add(root)
-    beams = [_Beam(root, 0.0)]
-    finished: list[tuple[float, float, list[int]]] = []  # (score, cum_logprob, tokens)
-    improvable = True
+    sp = SamplingParams(temperature=0, logprobs=K, max_tokens=1, ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+    searches = [_Search([(list(ids), 0.0)]) for ids in prompts]
+    generated = 0  # tokens generated so far (the same for every beam)
+    while any(s.beams for s in searches):
+        generated += 1
+        candidates = _run_round(engine, searches, sp, on_step)
+        for search, cands in zip(searches, candidates):
+            if search.beams:
+                _extend(search, cands, generated, K, eos, params)
+    tokenizer = engine.tokenizer
+    return [BeamSearchOutput([
+        BeamSearchSequence(tokens, cum, score,
+                           tokenizer.decode(tokens[len(ids):], skip_special_tokens=True))
+        for score, cum, tokens in search.finished]) for ids, search in zip(prompts, searches)]
+
+
+def _run_round(engine, searches: list[_Search], sp: SamplingParams, on_step
+               ) -> list[list[tuple[float, int, int]]]:
+    """One request per running beam through the engine; each search's candidates
+    (accumulated log-probability, beam, token) from its beams' top-K next tokens."""
+    beam_of: dict[str, tuple[int, int]] = {}
     try:
-        while beams:
-            out = scheduler.schedule()
-            sampled, _ = runner.execute(out)
-            scheduler.update_from_output(out)
-            row_of = {id(s): r for r, s in enumerate(out.seqs)}
-            if not sampled[0]:  # a chunk of a prompt longer than the step's token budget
-                continue
-            generated = beams[0].seq.num_output_tokens + 1  # length after this step
-            candidates = []  # (accumulated logprob, beam index, token, ends)
-            for b, beam in enumerate(beams):
-                for token, lp in sampled[row_of[id(beam.seq)]][0].top:
-                    candidates.append((beam.score + lp, b, token))
-            candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-            candidates = [(acc, b, t, t in eos or generated == params.max_tokens)
-                          for acc, b, t in candidates[:K]]
-            if improvable:
-                for acc, b, t, ends in candidates[:W]:
-                    if ends:
-                        tokens = beams[b].seq.token_ids + [t]
-                        finished.append((acc / generated ** params.length_penalty, acc, tokens))
-                finished = sorted(finished, key=lambda f: -f[0])[:W]
-            beams = _next_beams(scheduler, beams, [c for c in candidates if not c[3]][:W])
+        for i, search in enumerate(searches):
+            for b, (tokens, _) in enumerate(search.beams):
+                beam_of[engine.add_request({"prompt_token_ids": tokens}, sp)] = (i, b)
+        candidates = [[] for _ in searches]
+        pending = set(beam_of)
+        while pending:
+            for output in engine.step():
+                if output.request_id not in pending:
+                    continue
+                if output.error is not None:
+                    raise RuntimeError(f"a beam failed: {output.error}")
+                pending.discard(output.request_id)
+                i, b = beam_of[output.request_id]
+                acc = searches[i].beams[b][1]
+                top = output.outputs[0].logprobs[0]
+                candidates[i] += [(acc + lp.logprob, b, t) for t, lp in top.items()]
             if on_step is not None:
                 on_step(engine)
-            if beams and len(finished) == W:
-                improvable = beams[0].score / generated ** params.length_penalty > finished[-1][0]
-            if not improvable or all(c[3] for c in candidates):
-                break
-    finally:
-        for beam in beams:
-            scheduler.finish(beam.seq, "abort")
-    tokenizer = engine.tokenizer
-    return BeamSearchOutput([
-        BeamSearchSequence(tokens, cum, score,
-                           tokenizer.decode(tokens[P:], skip_special_tokens=True))
-        for score, cum, tokens in finished])
+    finally:  # an interrupted round must not leave requests holding blocks
+        for request_id in beam_of:
+            engine.abort_request(request_id)
+    return candidates
 
 
-def _next_beams(scheduler, beams: list[_Beam], chosen) -> list[_Beam]:
-    """Extends the chosen (acc, beam, token) continuations: a beam's first continuation reuses
-    its sequence, later ones fork it (sharing blocks); beams nobody extends are freed."""
-    extended: set[int] = set()  # beams whose own sequence is already taken
-    next_beams = []
-    for acc, b, token, _ in chosen:  # fork first: children copy the beam as it was
-        seq = beams[b].seq
-        if b in extended:
-            seq = seq.fork(index=0, seed=0)
-            scheduler.fork(beams[b].seq, seq)
-        extended.add(b)
-        next_beams.append((seq, acc, token))
-    for b, beam in enumerate(beams):
-        if b not in extended:
-            scheduler.finish(beam.seq, "abort")
-    for seq, _, token in next_beams:
-        seq.token_ids.append(token)
-    return [_Beam(seq, acc) for seq, acc, _ in next_beams]
+def _extend(search: _Search, candidates: list[tuple[float, int, int]], generated: int, K: int,
+            eos: set[int], params: BeamSearchParams) -> None:
+    """transformers' step: the top K continuations; those of the top W that end join the
+    finished pool, the best W that do not are the next beams; stops when no running beam can
+    beat the worst of W finished ones."""
+    W = params.beam_width
+    candidates = sorted(candidates, key=lambda c: (-c[0], c[1], c[2]))[:K]
+    candidates = [(acc, b, t, t in eos or generated == params.max_tokens)
+                  for acc, b, t in candidates]
+    if search.improvable:
+        for acc, b, t, ends in candidates[:W]:
+            if ends:
+                tokens = search.beams[b][0] + [t]
+                search.finished.append((acc / generated ** params.length_penalty, acc, tokens))
+        search.finished = sorted(search.finished, key=lambda f: -f[0])[:W]
+    search.beams = [(search.beams[b][0] + [t], acc)
+                    for acc, b, t, ends in candidates if not ends][:W]
+    if search.beams and len(search.finished) == W:
+        search.improvable = (search.beams[0][1] / generated ** params.length_penalty
+                             > search.finished[-1][0])
+    if not search.improvable or all(c[3] for c in candidates):
+        search.beams = []

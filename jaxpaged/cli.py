@@ -29,9 +29,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", default=True,
                    action=argparse.BooleanOptionalAction,
                    help="reuse the KV blocks of common prompt prefixes")
-    g.add_argument("--precompile", default=None, action=argparse.BooleanOptionalAction,
-                   help="compile every padded step shape at startup; default: on for `serve` "
-                   "with the 'cpu' attention backend (about 20 shapes), else off")
+    g.add_argument("--precompile", default=True, action=argparse.BooleanOptionalAction,
+                   help="compile every step shape at startup (about 20 under the default "
+                   "limits), so that serving compiles nothing new")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "cpu", "pallas", "pallas-interpret", "xla"])
     g.add_argument("--seed", type=int, default=0,
@@ -104,8 +104,7 @@ def _build_llm(args: argparse.Namespace):
                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                enable_prefix_caching=args.enable_prefix_caching,
                attention_backend=args.attention_backend, seed=args.seed,
-               precompile=(args.precompile if args.precompile is not None
-                           else "auto" if args.command == "serve" else False))
+               precompile=args.precompile)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -43,12 +43,12 @@ class LLM:
         no C++ compiler is found), "cpu", "pallas", "pallas-interpret" (the kernels under the
         Pallas interpreter, for tests) or "xla" (pure jnp).
       seed: seeds the per-request seeds of requests that set none.
-      precompile: True compiles the model step for every padded shape the limits above
-        allow, at startup (with a progress bar), so that serving compiles nothing new. With the
-        "cpu" backend (float32) that is one shape per token bucket of a packed step, about 20
-        (20-70 s); the other backends have one per (batch, length, context) bucket, hundreds
-        under the default limits. "auto" precompiles only in the "cpu" case; False never. Steps
-        computing prompt logprobs run padded, and compile their shapes when first met.
+      precompile: True (the default) compiles the model step for every shape the limits
+        above allow, at startup (with a progress bar), so that serving compiles nothing new:
+        one shape per token bucket of a packed step, about 20 under the default limits (twice
+        that on the Pallas backends, which compile decode-only steps apart), 20-70 s for the
+        default model on CPU. Steps computing prompt logprobs take logits at every token and
+        compile their shape when first met.
 
     Raises:
       ValueError: an unknown model or an out-of-range setting, naming it.
@@ -61,7 +61,7 @@ class LLM:
                  max_num_partial_prefills: int = 1, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 seed: int = 0, precompile: bool | str = False):
+                 seed: int = 0, precompile: bool = True):
         model_dir = resolve_model(model)
         cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -170,8 +170,9 @@ class LLM:
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search for each prompt (matches HF `generate(num_beams=..., do_sample=False)`).
 
-        Beams share KV blocks (forked by reference count, copy-on-write). Returns one
-        `BeamSearchOutput` per prompt, its `sequences` best first.
+        All prompts' beams run batched in the same steps; beams share their common prefix's KV
+        blocks through prefix caching. Returns one `BeamSearchOutput` per prompt, its
+        `sequences` best first.
 
         Raises:
           ValueError: a bad prompt or parameter, or a KV pool too small for all the beams.
@@ -195,7 +196,7 @@ class LLM:
                                  f"the pool has {engine.block_manager.num_blocks}")
         if engine.has_unfinished_requests():
             raise RuntimeError("beam_search needs an idle engine")
-        return [beam_search(engine, ids, params) for _, ids in tokenized]
+        return beam_search(engine, [ids for _, ids in tokenized], params)
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache (for timing cold starts); False while requests run."""

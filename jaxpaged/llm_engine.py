@@ -23,10 +23,10 @@ from jaxpaged.model_runner import ModelRunner, num_kv_blocks
 from jaxpaged.models import load_config, load_model
 from jaxpaged.outputs import Logprob, RequestMetrics, RequestOutput
 from jaxpaged.request import Request, new_stop_state
-from jaxpaged.pallas_kernels import resolve_attention_backend
+from jaxpaged.pallas_kernels import make_attention_backend
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Sequence, completion_seed
+from jaxpaged.sequence import Sequence
 from jaxpaged.stop_strings import StopStringState
 
 logger = logging.getLogger(__name__)
@@ -55,12 +55,13 @@ class LLMEngine:
                  long_prefill_token_threshold: int | None = None,
                  max_num_partial_prefills: int = 1,
                  cache_config: CacheConfig = CacheConfig(), attention_backend: str = "auto",
-                 seed: int = 0, precompile: bool | str = False):
-        if precompile not in (True, False, "auto"):
-            raise ValueError(f"precompile must be True, False or 'auto', got {precompile!r}")
-        self.attention_backend = resolve_attention_backend(attention_backend)
+                 seed: int = 0, precompile: bool = True):
+        if not isinstance(precompile, bool):
+            raise ValueError(f"precompile must be True or False, got {precompile!r}")
         self.model_config = load_config(model_dir)
         self.dtype = resolve_dtype(dtype)
+        backend = make_attention_backend(attention_backend, self.dtype)
+        self.attention_backend = backend.name
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len or self.model_config.max_position_embeddings,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -80,17 +81,16 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(model_dir)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
-        model = load_model(model_dir, self.model_config, self.dtype, self.attention_backend)
+        model = load_model(model_dir, self.model_config, self.dtype, backend)
         self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
                                   self.eos_token_ids, self.scheduler_config.max_num_seqs,
                                   self.scheduler_config.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
-                                   padded_tokens=bucket if self.runner.packed else None)
+                                   padded_tokens=bucket, eos_token_ids=self.eos_token_ids)
         self.executor = FaultIsolatingExecutor(self.runner)
-        if precompile is True or (precompile == "auto" and self.runner.packed):
-            sc = self.scheduler_config
-            self.runner.precompile(self.runner.bucket_shapes(
-                sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len))
+        if precompile:
+            self.runner.precompile(self.runner.step_shapes(
+                self.scheduler_config.max_num_batched_tokens))
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
         self._request_ids = itertools.count()
@@ -218,18 +218,21 @@ class LLMEngine:
             self.dead = e
             raise
         now = time.time()
-        self.num_prompt_tokens += self.scheduler.update_from_output(out, set(failed))
+        update = self.scheduler.update_from_output(out, sampled, set(failed))
+        self.num_prompt_tokens += update.num_prompt_tokens
+        for row, lps in prompt_lps.items():
+            request = self.requests[out.seqs[row].request_id]
+            if request.request_id not in failed and request.prompt_logprobs is None:
+                request.prompt_logprobs = self._prompt_logprob_dicts(request, lps)
         touched = {}
-        for row, (seq, row_samples) in enumerate(zip(out.seqs, sampled)):
-            request = self.requests[seq.request_id]
-            if seq.request_id in failed:
-                continue
+        for row, appended in update.appended:
+            request = self.requests[out.seqs[row].request_id]
             try:
-                if self._advance(request, seq, row_samples, prompt_lps.get(row), now):
-                    touched[seq.request_id] = request
+                self._advance(request, appended, now)
+                touched[request.request_id] = request
             except Exception as e:  # in detokenizing or stop checks: this request's own fault
-                logger.exception("request %s failed after its step", seq.request_id)
-                failed[seq.request_id] = describe(e)
+                logger.exception("request %s failed after its step", request.request_id)
+                failed[request.request_id] = describe(e)
         for request_id, reason in failed.items():
             touched[request_id] = self._fail(self.requests[request_id], reason)
             self.num_failed_requests += 1
@@ -244,25 +247,22 @@ class LLMEngine:
                 del self.requests[request_id]
         return outputs
 
-    def _advance(self, request: Request, seq: Sequence, row_samples: list,
-                 prompt_lps: list | None, now: float) -> bool:
-        """Appends one row's samples (its tokens are already booked by the scheduler's
-        `update_from_output`); whether it sampled."""
-        self.num_generation_tokens += len(row_samples)
-        if prompt_lps is not None and request.prompt_logprobs is None:
-            request.prompt_logprobs = self._prompt_logprob_dicts(request, prompt_lps)
-        if not row_samples:  # a prompt chunk with more to come: nothing sampled yet
-            return False
+    def _advance(self, request: Request, appended: list, now: float) -> None:
+        """The host side of a row's new tokens, which the scheduler has appended (and finished
+        where a token id or a length ends them): registers the completions the row forked
+        into, then for each token its log-probabilities, its text and the stop strings."""
+        self.num_generation_tokens += len(appended)
         request.metrics.first_token_time = request.metrics.first_token_time or now
-        # Fork before anything is appended or finished: children copy the parent as it was.
-        targets = [seq] + [self._fork(request, seq, j) for j in range(1, len(row_samples))]
-        seq.num_forks = 0
-        for target, token in zip(targets, row_samples):
-            self._append_token(target, token, request.detokenizers[target.index],
-                               request.stop_states[target.index])
+        for seq, _ in appended[1:]:  # completions forked from the first (n > 1)
+            request.seqs.append(seq)
+            request.detokenizers.append(IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, seq.params.skip_special_tokens))
+            request.stop_states.append(new_stop_state(seq.params))
+        for seq, token in appended:
+            self._add_text(seq, token, request.detokenizers[seq.index],
+                           request.stop_states[seq.index])
         request.metrics.num_generation_tokens = max(request.metrics.num_generation_tokens,
-                                                    seq.num_output_tokens)
-        return True
+                                                    appended[0][0].num_output_tokens)
 
     # -- faults -----------------------------------------------------------------------------
 
@@ -296,38 +296,23 @@ class LLMEngine:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _fork(self, request: Request, parent: Sequence, j: int) -> Sequence:
-        """The j-th completion, sharing the parent's prompt blocks; seeded `seed + j`."""
-        child = parent.fork(index=j, seed=completion_seed(parent.seed, j))
-        self.scheduler.fork(parent, child)
-        request.seqs.append(child)
-        request.detokenizers.append(IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, parent.params.skip_special_tokens))
-        request.stop_states.append(new_stop_state(parent.params))
-        return child
-
-    def _append_token(self, seq: Sequence, sampled, detok: IncrementalDetokenizer,
-                      stop_state: StopStringState | None) -> None:
-        """Appends a sampled token: ids, log-probabilities, text, then the stop checks."""
+    def _add_text(self, seq: Sequence, sampled, detok: IncrementalDetokenizer,
+                  stop_state: StopStringState | None) -> None:
+        """A new token's log-probabilities and text; finishes `seq` at a stop string (which
+        takes precedence over an EOS, stop token or length that ends it at the same token)."""
         token_id, p = sampled.token_id, seq.params
-        seq.token_ids.append(token_id)
-        seq.cumulative_logprob += sampled.logprob
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprob_entry(token_id, sampled.logprob, sampled.rank,
                                                     sampled.top))
         delta = detok.add_token(token_id)
-        may_stop = seq.num_output_tokens >= p.min_tokens
         found = None if stop_state is None else stop_state.feed(delta, len(detok.text))
-        stop = self._cut_at_stop_string(detok, found, p) if may_stop and found else None
-        if stop is not None:
+        if not found or seq.num_output_tokens < p.min_tokens:
+            return
+        stop = self._cut_at_stop_string(detok, found, p)
+        if seq.is_finished:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        else:
             self.scheduler.finish(seq, "stop", stop_reason=stop)
-        elif may_stop and not p.ignore_eos and token_id in self.eos_token_ids:
-            self.scheduler.finish(seq, "stop")
-        elif may_stop and token_id in p.stop_token_ids:
-            self.scheduler.finish(seq, "stop", stop_reason=token_id)
-        elif (seq.num_output_tokens == p.max_tokens
-              or seq.num_tokens >= self.scheduler_config.max_model_len):
-            self.scheduler.finish(seq, "length")
 
     @staticmethod
     def _cut_at_stop_string(detok: IncrementalDetokenizer, found: tuple[int, int],

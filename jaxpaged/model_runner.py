@@ -1,13 +1,12 @@
 """The model runner: owns params and the KV pool, turns a scheduled step into device arrays.
 
-The host builds NumPy arrays padded to buckets (steps of 1.5x; see `bucket`), so the number of
-distinct shapes, and thus of compilations, stays bounded. With the "cpu" attention backend a
-step's decodes and prompt chunks go packed as one row of T tokens (`prepare_packed`, vLLM's
-flattened batch); otherwise decodes run as `[B, 1]` and prompt chunks as `[B, Q]` batches, Q a
-power of two (`prepare_input`). On the XLA and "cpu" paths the cached blocks go as one flat list
-of NB entries (`pallas_kernels.paged_attention_xla_flat`); the Pallas kernels take M block-table
-columns. One jitted step `(params, kv_cache, ModelInput) -> (logits, kv_cache)` runs with the
-pool donated, then the jitted sampler; only the sampled token ids come back to the host.
+Every step goes packed (vLLM v1's flattened batch): its decodes and prompt chunks lie on one
+token axis of T tokens, T padded to a bucket (steps of 1.5x; see `buckets.bucket`), and the
+attention backend (`pallas_kernels.backends`) adds how it reads the cached blocks. A step's
+shapes depend on T (and, for the Pallas backends, whether it only decodes) alone, so the
+shapes under given limits are few and `precompile` compiles them all. One jitted step
+`(params, kv_cache, ModelInput) -> (logits, kv_cache)` runs with the pool donated, then the
+jitted sampler; only the sampled token ids come back to the host.
 """
 
 from __future__ import annotations
@@ -26,12 +25,11 @@ from jaxpaged import sampler
 from jaxpaged.buckets import bucket, buckets_upto, next_power_of_2, pow2s
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import ModelConfig, ModelInput, forward
-from jaxpaged.pallas_kernels import PAD_SLOT_ID, copy_blocks
+from jaxpaged.pallas_kernels import StepLimits, copy_blocks
 from jaxpaged.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence, completion_seed
 
-MIN_PREFILL_BUCKET = 16  # smallest padded prompt length
 WARM_UP_TOKENS = 2048  # `precompile` also runs each shape of at most this many tokens once
 
 
@@ -43,11 +41,6 @@ class SampledToken:
     # (token id, log-probability) of the `logprobs` most likely tokens, most likely first; empty
     # for logprobs=0 (only the sampled token's), None when the request asked for none
     top: list[tuple[int, float]] | None
-
-
-def _padding_context(NB: int, B: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A flat context list of NB padding entries: block 0, row B (dropped), 0 tokens."""
-    return np.zeros((NB,), np.int32), np.full((NB,), B, np.int32), np.zeros((NB,), np.int32)
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -70,18 +63,14 @@ class ModelRunner:
                  dtype, eos_token_ids: set[int] = frozenset(), max_num_seqs: int = 256,
                  max_model_len: int | None = None):
         self.config = model.config
+        self.backend = model.backend  # `pallas_kernels.backends.AttentionBackend`
         self.eos_token_ids = eos_token_ids
         self.block_size = cache_config.block_size
-        # The XLA and C++ paths read only cached tokens from the pool, as one flat list of the
-        # rows' blocks (no padding to the longest row). The Pallas kernels take padded block
-        # tables, and read the new tokens from the pool too, so their tables must cover them.
-        self.flat_context = model.attention_backend in ("xla", "cpu")
-        # The C++ kernel also takes packed sequences: a step's decodes and prompt chunks go as
-        # one row of T tokens (`query_start_loc`), padded only at the end (`prepare_packed`).
-        self.packed = model.attention_backend == "cpu" and jnp.dtype(dtype) == jnp.float32
         self.max_num_seqs = max_num_seqs
-        max_model_len = max_model_len or self.config.max_position_embeddings
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        self.limits = StepLimits(block_size=self.block_size, num_blocks=num_blocks,
+                                 max_seq_slots=bucket(max_num_seqs),
+                                 max_blocks_per_seq=-(-self.max_model_len // self.block_size))
         graphdef, self.params = nnx.split(model)
         self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
         self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
@@ -117,68 +106,39 @@ class ModelRunner:
                                                all_positions=all_positions)
         return logits
 
-    def bucket_shapes(self, max_num_seqs: int, max_num_batched_tokens: int,
-                      max_model_len: int) -> list[tuple[int, int, int]]:
-        """Every (B, Q, C) a step can be padded to under these limits: decodes `[B, 1]` and
-        prompt chunks `[B, Q]` whose fewest tokens (the longest Q/2 + 1, the others 1 each) fit
-        the token budget; packed steps (the "cpu" backend) are `(1, T, C)` for every T up to
-        the budget, each with one flat-list length NB (`_num_context_entries`). Otherwise C
-        counts cached blocks: on the XLA path the flat list's length NB (`bucket` sizes up to
-        what the rows or the pool hold), else block-table columns M (0 or powers of two up to
-        `max_model_len`)."""
-        max_blocks = -(-max_model_len // self.block_size)
-        Bs = buckets_upto(max_num_seqs)
-        Qs = pow2s(MIN_PREFILL_BUCKET, max(MIN_PREFILL_BUCKET, next_power_of_2(
-            min(max_num_batched_tokens, max_model_len))))
+    def step_shapes(self, max_num_batched_tokens: int) -> list[tuple[int, bool]]:
+        """Every (T, decode_only) a step can take under these limits: each token bucket up to
+        the budget (or what `max_num_seqs` sequences of `max_model_len` hold), with each
+        variant the backend compiles for it (`AttentionBackend.variants`)."""
+        Ts = buckets_upto(min(max_num_batched_tokens, self.max_num_seqs * self.max_model_len))
+        return [(T, v) for T in Ts for v in self.backend.variants(T, self.limits)]
 
-        def contexts(B: int) -> list[int]:
-            if self.flat_context:
-                return [0] + buckets_upto(min(B * max_blocks, self.kv_cache.shape[3]))
-            return [0] + pow2s(1, next_power_of_2(max_blocks))
-
-        def fits(B: int, Q: int) -> bool:
-            longest = Q // 2 + 1 if Q > MIN_PREFILL_BUCKET else 1
-            return longest + bucket(B - 1) <= max_num_batched_tokens
-
-        if self.packed:  # (1, T, NB): T tokens of up to `_num_seqs_bucket(T)` sequences
-            Ts = buckets_upto(min(max_num_batched_tokens, max_num_seqs * max_model_len))
-            return [(1, T, self._num_context_entries(T)) for T in Ts]
-        decodes = [(B, 1, C) for B in Bs if bucket(B - 1) + 1 <= max_num_batched_tokens
-                   for C in contexts(B) if C > 0]
-        prefills = [(B, Q, C) for B in Bs for Q in Qs if fits(B, Q) for C in contexts(B)]
-        return decodes + prefills
-
-    def precompile(self, shapes: list[tuple[int, int, int]], progress: bool = True) -> None:
-        """Compiles the model step ahead of time for each (B, Q, C) of `bucket_shapes`, and the
-        sampler's default variants (`sampler.precompile`), so that serving compiles nothing
-        new. A shape of at most `WARM_UP_TOKENS` tokens is also run once on its padding-only
-        input (nothing is written to the pool): an executable's first run on CPU costs
-        0.1-0.5 s more than the later ones, which would otherwise land on a request. Larger
-        shapes take seconds a step, and are left to pay it when met."""
-        for B, Q, C in tqdm(shapes, desc="Compiling step shapes", disable=not progress):
-            batch = self._padding_batch(B, Q, C)
+    def precompile(self, shapes: list[tuple[int, bool]], progress: bool = True) -> None:
+        """Compiles the model step ahead of time for each (T, decode_only) of `step_shapes`,
+        and the sampler's default variants (`sampler.precompile`), so that serving compiles
+        nothing new. A shape of at most `WARM_UP_TOKENS` tokens is also run once on its
+        padding-only input (nothing is written to the pool): an executable's first run on CPU
+        costs 0.1-0.5 s more than the later ones, which would otherwise land on a request.
+        Larger shapes take seconds a step, and are left to pay it when met."""
+        for T, decode_only in tqdm(shapes, desc="Compiling step shapes", disable=not progress):
+            batch = self._padding_batch(T, decode_only)
             key = self._shape_key(batch, False)
             if key in self._compiled:
                 continue
             compiled = self._step.lower(self.params, self.kv_cache, batch,
                                         all_positions=False).compile()
             self._compiled[key] = compiled
-            if B * Q <= WARM_UP_TOKENS:
+            if T <= WARM_UP_TOKENS:
                 # Runs while the next shape compiles (dispatch is asynchronous).
                 _, self.kv_cache = compiled(self.params, self.kv_cache, batch)
         # `prepare_sampling` pads the sample count to a power of two.
         sampler.precompile(self.config.vocab_size, pow2s(1, next_power_of_2(self.max_num_seqs)))
         jax.block_until_ready(self.kv_cache)
 
-    def _padding_batch(self, B: int, Q: int, C: int) -> ModelInput:
-        """A padding-only input of shape (B, Q, C) (see `bucket_shapes`): it writes nothing."""
-        if self.packed:
-            return self.prepare_packed([], [], T=Q, NB=C)
-        zeros, flat = np.zeros((B, Q), np.int32), self.flat_context
-        return ModelInput(zeros, zeros, np.full((B, Q), PAD_SLOT_ID, np.int32),
-                          np.zeros((B, 0 if flat else C), np.int32),
-                          np.zeros((B,), np.int32), np.zeros((B,), np.int32),
-                          *(_padding_context(C, B) if flat else ()))
+    def _padding_batch(self, T: int, decode_only: bool = False) -> ModelInput:
+        """A padding-only step of T tokens (see `step_shapes`): it writes nothing."""
+        zeros = np.zeros((T,), np.int32)
+        return ModelInput(zeros, zeros, self.backend.build(self.limits, T, [], decode_only))
 
     def probe(self) -> None:
         """Runs the smallest padding-only step and a greedy draw from its first logits row,
@@ -187,8 +147,7 @@ class ModelRunner:
         step in which every request failed alone)."""
         if self.fault_hook is not None:
             self.fault_hook(SchedulerOutput([], [], []))
-        C = self._num_context_entries(1) if self.packed else 1
-        logits = self._run_step(self._padding_batch(1, 1, C))
+        logits = self._run_step(self._padding_batch(1))
         one = np.zeros((1,), np.int32)
         md = SamplingMetadata(temperature=one.astype(np.float32), top_k=one,
                               top_p=np.ones((1,), np.float32), seeds=np.zeros((1, 2), np.uint32),
@@ -196,54 +155,40 @@ class ModelRunner:
         jax.block_until_ready(sample_jit(logits[:1], md, all_greedy=True, num_logprobs=0))
 
     def execute(self, out: SchedulerOutput) -> tuple[list[list[SampledToken]], dict]:
-        """Runs one scheduled step: with the "cpu" backend all its sequences packed in one call
-        (`prepare_packed`), unless a row wants prompt logprobs; otherwise its decodes as one
-        `[B, 1]` batch and its prompt chunks as `[B, Q]` batches by padded length (see
-        `_batches`). Then one sampler call over all.
+        """Runs one scheduled step: all its sequences packed in one model call (`prepare`),
+        then one sampler call over all.
 
         Returns:
           (each row's sampled tokens, {row: prompt logprobs} for rows whose request asked for
           them and whose prompt this step computed). A row that completes its tokens draws
           `1 + seq.num_forks` samples (a parent about to fork into its n completions after its
           prefill); a prompt chunk with more to come draws none. Prompt logprobs are a list over
-          prompt tokens 1.. of (token logprob, rank, [(id, logprob)] top-k).
+          prompt tokens 1.. of (token logprob, rank, [(id, logprob)] top-k); they come from the
+          same packed step, with logits at every token.
         """
         if self.fault_hook is not None:
             self.fault_hook(out)
         if out.blocks_to_copy:
             self.apply_copies(out.blocks_to_copy)
-        logits_parts, logits_row, prompt_lps = [], {}, {}
-        batches = self._batches(out)
-        # Prompt logprobs need logits at every position of a row: such steps stay padded.
-        if self.packed and not any(self._wants_prompt_logprobs(s) for s in out.seqs):
-            batch = self.prepare_packed(out.seqs, out.num_scheduled_tokens)
-            logits_parts.append(self._run_step(batch))
-            logits_row.update({row: row for row in range(len(out.seqs))})
-            batches = []
-        for rows, is_prefill in batches:
-            seqs = [out.seqs[r] for r in rows]
-            qs = [out.num_scheduled_tokens[r] for r in rows]
-            batch = self.prepare_input(seqs, qs, is_prefill)
-            want = [i for i, s in enumerate(seqs)
-                    if is_prefill and self._wants_prompt_logprobs(s)]
-            logits = self._run_step(batch, all_positions=bool(want))
-            if want:
-                k = max(seqs[i].params.prompt_logprobs for i in want)
-                logits, *plp = prompt_logprobs(logits, batch.input_ids, batch.query_lens,
-                                               num_logprobs=next_power_of_2(k) if k else 0)
-                collected = self._collect_prompt_logprobs(seqs, qs, want, jax.device_get(plp))
-                prompt_lps.update({rows[i]: lps for i, lps in collected.items()})
-            offset = sum(part.shape[0] for part in logits_parts)
-            logits_row.update({row: offset + i for i, row in enumerate(rows)})
-            logits_parts.append(logits)
-        logits = (logits_parts[0] if len(logits_parts) == 1
-                  else jnp.concatenate(logits_parts))
+        batch = self.prepare(out.seqs, out.num_scheduled_tokens)
+        want = [row for row, seq in enumerate(out.seqs) if self._wants_prompt_logprobs(seq)]
+        logits = self._run_step(batch, all_positions=bool(want))
+        prompt_lps = {}
+        if want:
+            k = max(out.seqs[row].params.prompt_logprobs for row in want)
+            md = batch.attention
+            last = np.minimum(md.query_start_loc[:-1] + np.maximum(md.query_lens - 1, 0),
+                              len(batch.input_ids) - 1)
+            logits, *plp = prompt_logprobs(logits, batch.input_ids, last,
+                                           num_logprobs=next_power_of_2(k) if k else 0)
+            prompt_lps = self._collect_prompt_logprobs(out, md.query_start_loc, want,
+                                                       jax.device_get(plp))
         per_row = [[] for _ in out.seqs]
         samples = [(row, seq, j) for row, seq in enumerate(out.seqs) if out.completes(row)
                    for j in range(1 + seq.num_forks)]
         if not samples:
             return per_row, prompt_lps
-        rows, md = self.prepare_sampling(samples, logits_row)
+        rows, md = self.prepare_sampling(samples)
         num_logprobs = max((s.params.logprobs or 0) for _, s, _ in samples)
         num_logprobs = next_power_of_2(num_logprobs) if num_logprobs else 0
         res = jax.device_get(sample_jit(
@@ -259,20 +204,6 @@ class ModelRunner:
         return per_row, prompt_lps
 
     @staticmethod
-    def _batches(out: SchedulerOutput) -> list[tuple[list[int], bool]]:
-        """The step's rows as model calls: all decodes in one `[B, 1]` batch, prompt chunks
-        grouped by their padded length Q, so a short chunk is never padded to a long one's
-        length (the cost of a `[B, Q]` call is B * Q tokens)."""
-        decodes, by_bucket = [], {}
-        for row, (seq, q) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
-            if q == 1 and seq.num_output_tokens > 0:
-                decodes.append(row)
-            else:
-                by_bucket.setdefault(max(MIN_PREFILL_BUCKET, next_power_of_2(q)), []).append(row)
-        batches = [(decodes, False)] if decodes else []
-        return batches + [(rows, True) for _, rows in sorted(by_bucket.items())]
-
-    @staticmethod
     def _wants_prompt_logprobs(seq: Sequence) -> bool:
         """Whether this step computes the start of a prompt whose request asked for prompt
         logprobs (only a prompt's first chunk, never chunked, gets them)."""
@@ -280,17 +211,19 @@ class ModelRunner:
                 and seq.num_output_tokens == 0)
 
     @staticmethod
-    def _collect_prompt_logprobs(seqs, qs, rows: list[int], plp) -> dict:
+    def _collect_prompt_logprobs(out: SchedulerOutput, query_start_loc: np.ndarray,
+                                 rows: list[int], plp) -> dict:
         target_lp, ranks, top_ids, top_lp = plp
         collected = {}
         for row in rows:
-            seq, q = seqs[row], qs[row]
+            seq, q = out.seqs[row], out.num_scheduled_tokens[row]
             k = seq.params.prompt_logprobs
+            tokens = range(query_start_loc[row],
+                           query_start_loc[row] + min(q, seq.num_prompt_tokens) - 1)
             collected[row] = [
-                (float(target_lp[row, i]), int(ranks[row, i]),
-                 list(zip(top_ids[row, i, :k].tolist(), top_lp[row, i, :k].tolist()))
-                 if k else [])
-                for i in range(min(q, seq.num_prompt_tokens) - 1)]
+                (float(target_lp[t]), int(ranks[t]),
+                 list(zip(top_ids[t, :k].tolist(), top_lp[t, :k].tolist())) if k else [])
+                for t in tokens]
         return collected
 
     def apply_copies(self, copies: list[tuple[int, int]]) -> None:
@@ -299,117 +232,29 @@ class ModelRunner:
         src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
         self.kv_cache = self._copy_blocks(self.kv_cache, src, dst)
 
-    def prepare_input(self, seqs: list, num_new_tokens: list[int], is_prefill: bool
-                      ) -> ModelInput:
-        """Pads rows to buckets: B rows (`bucket`), Q new tokens per row (1 for decodes; a
-        power of two of at least MIN_PREFILL_BUCKET for prompt chunks), and the cached blocks:
-        a flat list of `bucket(NB)` entries on the XLA path, else M block-table columns."""
-        S = self.block_size
-        B = bucket(len(seqs))
-        Q = 1 if not is_prefill else max(MIN_PREFILL_BUCKET, next_power_of_2(max(num_new_tokens)))
-        covered = [s.num_computed_tokens + (0 if self.flat_context else q)
-                   for s, q in zip(seqs, num_new_tokens)]
-        num_blocks = [-(-n // S) for n in covered]
-        M = 0 if self.flat_context or max(num_blocks) == 0 else next_power_of_2(max(num_blocks))
-
-        input_ids = np.zeros((B, Q), np.int32)
-        positions = np.zeros((B, Q), np.int32)
-        slot_mapping = np.full((B, Q), PAD_SLOT_ID, np.int32)
-        block_tables = np.zeros((B, M), np.int32)
-        num_computed = np.zeros((B,), np.int32)
-        query_lens = np.zeros((B,), np.int32)
-        for row, (seq, q) in enumerate(zip(seqs, num_new_tokens)):
-            input_ids[row, :q], positions[row, :q], slot_mapping[row, :q] = (
-                self._new_tokens(seq, q))
-            if M:
-                block_tables[row, :num_blocks[row]] = seq.block_table[:num_blocks[row]]
-            num_computed[row] = seq.num_computed_tokens
-            query_lens[row] = q
-        context = self._flat_context(seqs, num_blocks, B) if self.flat_context else ()
-        return ModelInput(input_ids, positions, slot_mapping, block_tables, num_computed,
-                          query_lens, *context)
-
-    def _new_tokens(self, seq: Sequence, q: int) -> tuple[list[int], np.ndarray, np.ndarray]:
-        """The next q tokens of `seq` to compute: (token ids, positions i32[q], flat pool slots
-        i32[q], `block * block_size + offset`)."""
-        S = self.block_size
-        first = seq.num_computed_tokens
-        pos = np.arange(first, first + q)
-        table = np.asarray(seq.block_table, np.int32)
-        return seq.token_ids[first:first + q], pos, table[pos // S] * S + pos % S
-
-    def _num_seqs_bucket(self, T: int) -> int:
-        """Sequence slots of a packed step of T tokens: its logits rows. Tied to T, so packed
-        shapes vary in T only."""
-        return min(T, bucket(self.max_num_seqs))
-
-    def _num_context_entries(self, T: int, num_blocks: int = 0) -> int:
-        """Entries of a packed step's flat context list: as many cached blocks as its
-        sequences can hold (`max_blocks_per_seq` each) or the pool holds, whichever is fewer,
-        so that a packed step's shape depends on T alone. The kernel skips padding entries at
-        the cost of reading their row ids. Only shared blocks (forks, prefix hits) can take a
-        step's list past the pool's size; such a step gets the most its sequences can hold, one
-        more shape for that T, compiled when first met (not by `precompile`)."""
-        most = self._num_seqs_bucket(T) * self.max_blocks_per_seq
-        fixed = min(most, self.kv_cache.shape[3])
-        return fixed if num_blocks <= fixed else most
-
-    def prepare_packed(self, seqs: list, num_new_tokens: list[int], T: int | None = None,
-                       NB: int | None = None) -> ModelInput:
-        """The step's sequences packed on one token axis, `[1, T]` with T = `bucket` of their
-        tokens, decodes and prompt chunks alike (vLLM's flattened batch): sequence i's tokens
-        start at `query_start_loc[i]`; only the tail past the last one is padding. The
-        per-sequence arrays have `_num_seqs_bucket(T)` entries, the flat block list
-        `_num_context_entries(T)` (T and NB may be given, for precompilation of padding-only
-        steps)."""
-        S = self.block_size
-        total = sum(num_new_tokens)
-        T = bucket(total) if T is None else T
-        num_seqs = self._num_seqs_bucket(T)
-        input_ids = np.zeros((1, T), np.int32)
-        positions = np.zeros((1, T), np.int32)
-        slot_mapping = np.full((1, T), PAD_SLOT_ID, np.int32)
-        num_computed = np.zeros((num_seqs,), np.int32)
-        query_lens = np.zeros((num_seqs,), np.int32)
-        query_start_loc = np.full((num_seqs + 1,), total, np.int32)
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ModelInput:
+        """The step's sequences packed on one token axis of T = `bucket` of their tokens,
+        in the order given (sequence i's logits are row i); the backend's metadata for them."""
+        T = bucket(sum(num_new_tokens))
+        input_ids, positions = np.zeros((T,), np.int32), np.zeros((T,), np.int32)
         start = 0
-        for i, (seq, q) in enumerate(zip(seqs, num_new_tokens)):
-            tokens = slice(start, start + q)
-            input_ids[0, tokens], positions[0, tokens], slot_mapping[0, tokens] = (
-                self._new_tokens(seq, q))
-            num_computed[i], query_lens[i], query_start_loc[i] = seq.num_computed_tokens, q, start
+        for seq, q in zip(seqs, num_new_tokens):
+            first = seq.num_computed_tokens
+            input_ids[start:start + q] = seq.token_ids[first:first + q]
+            positions[start:start + q] = np.arange(first, first + q)
             start += q
-        num_blocks = [-(-s.num_computed_tokens // S) for s in seqs]
-        NB = self._num_context_entries(T, sum(num_blocks)) if NB is None else NB
-        context = self._flat_context(seqs, num_blocks, num_seqs, NB)
-        return ModelInput(input_ids, positions, slot_mapping, np.zeros((num_seqs, 0), np.int32),
-                          num_computed, query_lens, *context, query_start_loc=query_start_loc)
+        md = self.backend.build(self.limits, T, [
+            (seq.block_table, seq.num_computed_tokens, q) for seq, q in zip(seqs, num_new_tokens)])
+        return ModelInput(input_ids, positions, md)
 
-    def _flat_context(self, seqs: list, num_blocks: list[int], B: int, NB: int | None = None
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(context_blocks, context_rows, context_lens), i32[bucket(NB)] each: the rows' cached
-        blocks one after another, then padding entries (block 0, row B, 0 tokens)."""
-        S = self.block_size
-        blocks, rows, lens = _padding_context(bucket(sum(num_blocks)) if NB is None else NB, B)
-        start = 0
-        for row, (seq, n) in enumerate(zip(seqs, num_blocks)):
-            end = start + n
-            blocks[start:end] = seq.block_table[:n]
-            rows[start:end] = row
-            lens[start:end] = S
-            if n:
-                lens[end - 1] = seq.num_computed_tokens - (n - 1) * S
-            start = end
-        return blocks, rows, lens
-
-    def prepare_sampling(self, samples: list[tuple[int, Sequence, int]],
-                         logits_row: dict[int, int]) -> tuple[np.ndarray, SamplingMetadata]:
+    def prepare_sampling(self, samples: list[tuple[int, Sequence, int]]
+                         ) -> tuple[np.ndarray, SamplingMetadata]:
         """Per-sample arrays for `sampler.sample`, padded to a power of two R, and i32[R] the
-        logits row each sample draws from.
+        logits row each sample draws from (a step's sequence i has logits row i).
 
         `samples` are (batch row, seq, j): sample j of a row drawing several uses seed
         `seq.seed + j` (mod 2**64), so the j-th of n completions equals a lone request seeded
-        `seed + j` (vLLM's convention). `logits_row` maps a batch row to its logits row.
+        `seed + j` (vLLM's convention).
         """
         R, V = next_power_of_2(len(samples)), self.config.vocab_size
         f = {name: np.zeros((R,), np.float32) for name in
@@ -428,7 +273,7 @@ class ModelRunner:
         prompt_mask = np.zeros((R, V), bool) if use_penalties else None
         for i, ((row, seq, j), p) in enumerate(zip(samples, params)):
             seed = completion_seed(seq.seed, j)
-            row_index[i], top_k[i] = logits_row[row], p.top_k
+            row_index[i], top_k[i] = row, p.top_k
             output_index[i] = seq.num_output_tokens
             seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
             for name in f:

@@ -296,24 +296,20 @@ def precompile(vocab_size: int, sample_counts: list[int]) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def prompt_logprobs(logits: jax.Array, input_ids: jax.Array, query_lens: jax.Array, *,
+def prompt_logprobs(logits: jax.Array, input_ids: jax.Array, last: jax.Array, *,
                     num_logprobs: int):
-    """Log-probabilities of each prompt token given the ones before it, from a prefill.
+    """Log-probabilities of each prompt token given the ones before it, from a packed step.
 
     Args:
-      logits: f32[B, Q, V] logits at every new token of the step.
-      input_ids: i32[B, Q] the step's tokens; position i predicts token i + 1.
-      query_lens: i32[B].
+      logits: f32[T, V] logits at every token of the step.
+      input_ids: i32[T] the step's tokens; token t predicts token t + 1 (of the same sequence,
+        for every token but a sequence's last).
+      last: i32[S] each sequence's last token.
       num_logprobs: static top-k (0: none).
 
     Returns:
-      (last f32[B, V] logits at each row's last token, target logprobs f32[B, Q], their ranks
-      i32[B, Q], top ids i32[B, Q, k] or None, top logprobs f32[B, Q, k] or None).
+      (f32[S, V] logits at each sequence's last token, target logprobs f32[T], their ranks
+      i32[T], top ids i32[T, k] or None, top logprobs f32[T, k] or None).
     """
-    B, Q, V = logits.shape
-    target = jnp.concatenate([input_ids[:, 1:], jnp.zeros_like(input_ids[:, :1])], axis=1)
-    stats = _logprob_stats(logits.reshape(B * Q, V), target.reshape(B * Q), num_logprobs)
-    target_lp, ranks, top_ids, top_lp = [
-        None if a is None else a.reshape(B, Q, *a.shape[1:]) for a in stats]
-    last = logits[jnp.arange(B), jnp.maximum(query_lens - 1, 0)]
-    return last, target_lp, ranks, top_ids, top_lp
+    target = jnp.concatenate([input_ids[1:], jnp.zeros_like(input_ids[:1])])
+    return (logits[last], *_logprob_stats(logits, target, num_logprobs))

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from typing import Protocol
 
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import SchedulerConfig
-from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.sequence import Sequence, SequenceStatus, completion_seed
 
 
 @dataclasses.dataclass
@@ -51,6 +52,23 @@ class SchedulerOutput:
         return seq.num_computed_tokens + self.num_scheduled_tokens[row] == seq.num_tokens
 
 
+class Sampled(Protocol):
+    """A token the runner sampled for a row (`model_runner.SampledToken`)."""
+
+    token_id: int
+    logprob: float  # the model's log-probability of it
+
+
+@dataclasses.dataclass
+class StepUpdate:
+    """What `Scheduler.update_from_output` did with a step."""
+
+    num_prompt_tokens: int  # prompt tokens booked (recomputes included)
+    # (row, [(sequence, its new token)]) for each row that sampled: the row's sequence and the
+    # children it forked into (n > 1), in that order
+    appended: list[tuple[int, list[tuple[Sequence, Sampled]]]]
+
+
 def _is_decode(seq: Sequence) -> bool:
     """Whether `seq`'s next step computes one generated token (not a prompt or a recompute)."""
     return seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_output_tokens > 0
@@ -62,12 +80,15 @@ class Scheduler:
       block_manager: the KV pool's blocks.
       padded_tokens: the number of tokens a step of n tokens is padded to (the runner's
         `buckets.bucket` on the packed layout), or None when steps are not padded that way.
+      eos_token_ids: the tokens that end a sequence (unless its `ignore_eos`).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 padded_tokens: Callable[[int], int] | None = None):
+                 padded_tokens: Callable[[int], int] | None = None,
+                 eos_token_ids: Collection[int] = frozenset()):
         self.config = config
         self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.padded_tokens = padded_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
@@ -166,22 +187,56 @@ class Scheduler:
             out.num_scheduled_tokens.append(q)
             budget -= q
 
-    def update_from_output(self, out: SchedulerOutput,
-                           skip_request_ids: frozenset[str] | set[str] = frozenset()) -> int:
-        """Books a step that ran: each row's scheduled tokens are now computed (the one place
-        `num_computed_tokens` advances), and its blocks that became full join the prefix cache.
-        Rows of `skip_request_ids` (requests a fault in the step was traced to, whose K/V cannot
-        be trusted) are left as they were. Returns the prompt tokens booked (recomputes
-        included)."""
-        num_prompt_tokens = 0
-        for seq, q in zip(out.seqs, out.num_scheduled_tokens):
+    def update_from_output(self, out: SchedulerOutput, sampled: list[list[Sampled]],
+                           skip_request_ids: Collection[str] = frozenset()) -> StepUpdate:
+        """Books a step that ran; the one place a sequence's progress is written.
+
+        Each row's scheduled tokens are now computed (`num_computed_tokens`), and its blocks
+        that became full join the prefix cache. A row that sampled (`sampled[row]`, one token
+        per completion) forks into its other completions first (n > 1, after the prompt), then
+        each gets its token appended and is finished when the token ends it: EOS (unless
+        `ignore_eos`) or one of `stop_token_ids` once `min_tokens` are out, `max_tokens`, or
+        `max_model_len` (stop strings need the text, so the engine checks those). Rows of
+        `skip_request_ids` (requests a fault in the step was traced to, whose K/V cannot be
+        trusted) are left as they were.
+        """
+        num_prompt_tokens, appended = 0, []
+        for row, (seq, q) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
             if seq.request_id in skip_request_ids:
                 continue
             num_prompt_tokens += max(0, min(seq.num_computed_tokens + q, seq.num_prompt_tokens)
                                      - seq.num_computed_tokens)
             seq.num_computed_tokens += q
             self.block_manager.cache_full_blocks(seq)
-        return num_prompt_tokens
+            if not sampled[row]:  # a prompt chunk with more to come
+                continue
+            # Fork before anything is appended or finished: children copy the parent as it was.
+            targets = [seq] + [self._fork_completion(seq, j) for j in range(1, len(sampled[row]))]
+            seq.num_forks = 0
+            for target, token in zip(targets, sampled[row]):
+                target.token_ids.append(token.token_id)
+                target.cumulative_logprob += token.logprob
+                self._check_stop(target)
+            appended.append((row, list(zip(targets, sampled[row]))))
+        return StepUpdate(num_prompt_tokens, appended)
+
+    def _fork_completion(self, parent: Sequence, j: int) -> Sequence:
+        """The j-th completion of `parent`'s request, sharing its blocks; seeded `seed + j`."""
+        child = parent.fork(index=j, seed=completion_seed(parent.seed, j))
+        self.fork(parent, child)
+        return child
+
+    def _check_stop(self, seq: Sequence) -> None:
+        """Finishes `seq` if its newest token ends it (token ids and lengths only)."""
+        p, token_id = seq.params, seq.token_ids[-1]
+        may_stop = seq.num_output_tokens >= p.min_tokens
+        if may_stop and not p.ignore_eos and token_id in self.eos_token_ids:
+            self.finish(seq, "stop")
+        elif may_stop and token_id in p.stop_token_ids:
+            self.finish(seq, "stop", stop_reason=token_id)
+        elif (seq.num_output_tokens == p.max_tokens
+              or seq.num_tokens >= self.config.max_model_len):
+            self.finish(seq, "length")
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -14,6 +14,8 @@ from typing import Protocol
 import jax
 from flax import nnx
 
+from jaxpaged.pallas_kernels.backends import AttentionMetadata, AttentionSpec
+
 
 class ModelConfig(Protocol):
     """What the engine and the runner read of a family's config (the rest is the model's)."""
@@ -25,31 +27,20 @@ class ModelConfig(Protocol):
     max_position_embeddings: int  # the longest sequence the model takes, in tokens
     eos_token_ids: tuple[int, ...]
 
+    def attention_spec(self, layer: int) -> AttentionSpec:
+        """Layer `layer`'s attention: scale, sliding window, logit soft-cap."""
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelInput:
-    """One step's batch, padded to bucket sizes by the host (all int32 NumPy or jax arrays).
+    """One step's batch, packed: the T new tokens of all its sequences on one axis, padded at
+    the end to a bucket (int32 NumPy or jax arrays). `attention` says which sequence each token
+    belongs to and where its K/V go (`pallas_kernels.backends.AttentionMetadata`)."""
 
-    Row b holds `query_lens[b]` new tokens; slots past it (and rows past the real batch) are
-    padding with `query_lens == 0` and `slot_mapping == PAD_SLOT_ID`. The rows' cached blocks
-    come either as padded `block_tables` (the Pallas kernels) or, when `context_blocks` is set,
-    as one flat list (the XLA path, `pallas_kernels.paged_attention_xla_flat`; `block_tables`
-    is then `[B, 0]`).
-    """
-
-    input_ids: jax.Array  # i32[B, Q] new token ids
-    positions: jax.Array  # i32[B, Q] their positions in the sequence
-    slot_mapping: jax.Array  # i32[B, Q] flat pool slot each new token's K/V is written to
-    block_tables: jax.Array  # i32[B, M] blocks of each row's cached (Pallas: and new) tokens
-    num_computed_tokens: jax.Array  # i32[B] tokens of the row already in the pool
-    query_lens: jax.Array  # i32[B] new tokens in the row (0 for padding rows)
-    context_blocks: jax.Array | None = None  # i32[NB] every row's cached blocks, row by row
-    context_rows: jax.Array | None = None  # i32[NB] row of each (B for padding entries)
-    context_lens: jax.Array | None = None  # i32[NB] cached tokens in each (0 for padding)
-    # Packed layout (the "cpu" backend): i32[S + 1] first token of each of S sequences in the
-    # one row of T tokens (B = 1, Q = T); the per-row arrays above are then per sequence.
-    query_start_loc: jax.Array | None = None
+    input_ids: jax.Array  # i32[T] new token ids
+    positions: jax.Array  # i32[T] their positions in their sequences
+    attention: AttentionMetadata
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_cache: jax.Array,
@@ -60,10 +51,10 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_cache: jax.Array,
       graphdef, params: `nnx.split(model)` of a registered model.
       kv_cache: f[L, 2, K, P, S, H] the pool; donated, so the write is in place.
       batch: `ModelInput`.
-      all_positions: static; logits at every new token, f32[B, Q, V].
+      all_positions: static; logits at every token, f32[T, V] (prompt logprobs).
 
     Returns:
-      (f32[B, V] logits at each row's last new token (f32[S, V] per sequence when packed),
+      (f32[S, V] logits at each sequence's last new token (f32[T, V] with `all_positions`),
       updated kv_cache).
     """
     return nnx.merge(graphdef, params)(kv_cache, batch, all_positions)

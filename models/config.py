@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from jaxpaged.pallas_kernels.backends import AttentionSpec
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -104,6 +106,10 @@ class LlamaConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+    def attention_spec(self, layer: int) -> AttentionSpec:
+        """Every Llama layer attends to the whole context, scaled by head_dim ** -0.5."""
+        return AttentionSpec(scale=self.head_dim ** -0.5)
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged import pallas_kernels
 from jaxpaged.models.base import ModelInput
+from jaxpaged.pallas_kernels.backends import AttentionBackend, AttentionSpec
 
 
 class RMSNorm(nnx.Module):
@@ -36,30 +36,31 @@ def linear(d_in: int, d_out: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates x: f[B, Q, heads, H] by angles cos, sin: f32[B, Q, H] (HF `rotate_half` style)."""
+    """Rotates x: f[T, heads, H] by angles cos, sin: f32[T, H] (HF `rotate_half` style)."""
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
     return x * cos + rotated * sin
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions: i32[B, Q], inv_freq: f32[H // 2] -> cos, sin: f32[B, Q, H] (float32 as HF)."""
+    """positions: i32[T], inv_freq: f32[H // 2] -> cos, sin: f32[T, H] (float32 as HF)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention over the paged pool. With `qk_norm`, q and k go through a
-    per-head RMSNorm (weight f[H]) before RoPE (`Qwen3Attention`)."""
+    """Grouped-query attention over the paged pool, as `spec` says (scale, sliding window,
+    soft-cap) through `backend`. With `qk_norm`, q and k go through a per-head RMSNorm
+    (weight f[H]) before RoPE (`Qwen3Attention`)."""
 
-    def __init__(self, config, *, dtype, attention_backend: str, rngs: nnx.Rngs,
-                 qk_norm: bool = False):
+    def __init__(self, config, *, dtype, backend: AttentionBackend, spec: AttentionSpec,
+                 rngs: nnx.Rngs, qk_norm: bool = False):
         D, N, K, H = (config.hidden_size, config.num_attention_heads,
                       config.num_key_value_heads, config.head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
-        self.attention_backend = attention_backend
+        self.backend, self.spec = backend, spec
         # HF's q_proj, k_proj and v_proj side by side (see `models.loader`): one matmul
         # instead of three, which XLA's CPU GEMMs run faster at the step's small token counts.
         self.qkv_proj = linear(D, (N + 2 * K) * H, dtype, rngs)
@@ -68,22 +69,17 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype) if qk_norm else None
 
     def __call__(self, x, cos, sin, kv_cache, layer: int, batch: ModelInput):
-        # x: [B, Q, D]; kv_cache: [L, 2, K, P, S, H] the whole pool, this layer's at `layer`.
-        B, Q, _ = x.shape
+        # x: [T, D]; kv_cache: [L, 2, K, P, S, H] the whole pool, this layer's at `layer`.
+        T, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = jnp.split(self.qkv_proj(x), [N * H, (N + K) * H], axis=-1)
-        q, k = q.reshape(B, Q, N, H), k.reshape(B, Q, K, H)
+        q, k = q.reshape(T, N, H), k.reshape(T, K, H)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = v.reshape(B, Q, K, H)
-        context = (None if batch.context_blocks is None else
-                   (batch.context_blocks, batch.context_rows, batch.context_lens))
-        out, kv_cache, new_kv = pallas_kernels.attention(
-            self.attention_backend, q, k, v, kv_cache, layer, batch.slot_mapping,
-            batch.block_tables, batch.num_computed_tokens, batch.query_lens, scale=H ** -0.5,
-            context=context, query_start_loc=batch.query_start_loc)
-        return self.o_proj(out.reshape(B, Q, N * H)), kv_cache, new_kv
+        out, kv_cache, new_kv = self.backend.attention(
+            q, k, v.reshape(T, K, H), kv_cache, layer, batch.attention, self.spec)
+        return self.o_proj(out.reshape(T, N * H)), kv_cache, new_kv
 
 
 class GatedMLP(nnx.Module):
@@ -102,11 +98,11 @@ class GatedMLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm attention and MLP blocks with residuals (`LlamaDecoderLayer`)."""
 
-    def __init__(self, config, *, dtype, attention_backend: str, rngs: nnx.Rngs,
-                 qk_norm: bool = False):
+    def __init__(self, config, *, dtype, backend: AttentionBackend, spec: AttentionSpec,
+                 rngs: nnx.Rngs, qk_norm: bool = False):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(config, dtype=dtype, attention_backend=attention_backend,
-                                   rngs=rngs, qk_norm=qk_norm)
+        self.self_attn = Attention(config, dtype=dtype, backend=backend, spec=spec, rngs=rngs,
+                                   qk_norm=qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
                                                 dtype=dtype)
         self.mlp = GatedMLP(config, dtype=dtype, rngs=rngs)

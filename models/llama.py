@@ -8,10 +8,10 @@ run by a Python loop, so each layer's matmuls read its weights where they lie. A
 stacked weights compiles in less time (XLA compiles each layer here), but on CPU XLA copies each
 layer's weight slice before its matmuls, which cost about 7% of a 32-sequence decode step.
 
-The forward pass reads cached K/V from the pool through block tables, attends over the cached and
-new tokens. With the C++ "cpu" kernel the new tokens' K/V of all layers are written in one
-scatter at the end (`pallas_kernels.write_kv`); the "xla" and Pallas backends write each layer's
-before reading the pool (see `pallas_kernels.attention`).
+A step's tokens come packed on one axis T (`models.base.ModelInput`); the attention backend
+(`pallas_kernels.backends`) reads the cached K/V from the pool and writes the new ones, each
+layer's before reading (xla, Pallas) or all layers' in one scatter at the end (the C++ "cpu"
+kernel).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpaged import pallas_kernels
 from jaxpaged.models.base import ModelInput
+from jaxpaged.pallas_kernels.backends import AttentionBackend, make_attention_backend
+from jaxpaged.pallas_kernels.reference import write_kv
 from jaxpaged.models.config import LlamaConfig
 from jaxpaged.models.layers import DecoderLayer, RMSNorm, linear, rope_cos_sin
 
@@ -61,16 +62,18 @@ class LlamaForCausalLM(nnx.Module):
     NAME_MAP = LLAMA_NAME_MAP
     QK_NORM = False  # a per-head RMSNorm on q and k before RoPE (see `layers.Attention`)
 
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, attention_backend: str = "xla",
-                 rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32,
+                 attention_backend: AttentionBackend | str = "xla", rngs: nnx.Rngs):
         self.config = config
-        self.attention_backend = pallas_kernels.resolve_attention_backend(attention_backend)
+        if isinstance(attention_backend, str):
+            attention_backend = make_attention_backend(attention_backend, dtype)
+        self.backend = attention_backend
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([
-            DecoderLayer(config, dtype=dtype, attention_backend=self.attention_backend,
-                         rngs=rngs, qk_norm=self.QK_NORM)
-            for _ in range(config.num_hidden_layers)])
+            DecoderLayer(config, dtype=dtype, backend=attention_backend,
+                         spec=config.attention_spec(i), rngs=rngs, qk_norm=self.QK_NORM)
+            for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.lm_head = (None if config.tie_word_embeddings
                         else linear(config.hidden_size, config.vocab_size, dtype, rngs))
@@ -81,16 +84,17 @@ class LlamaForCausalLM(nnx.Module):
 
         Args:
           kv_cache: f[L, 2, K, P, S, H] the paged KV pool (layout in `pallas_kernels.reference`).
-          batch: the step's `ModelInput`, padded to B rows of Q tokens.
-          all_positions: static; return logits at every new token (prompt logprobs).
+          batch: the step's packed `ModelInput` of T tokens in S sequence slots.
+          all_positions: static; return logits at every token (prompt logprobs).
 
         Returns:
-          (logits, kv_cache): f32[B, V] next-token logits at each row's last new token (packed:
-          f32[S, V] at each sequence's last token; or f32[B, Q, V] at every new token), and the
-          pool with the new tokens' K/V written.
+          (logits, kv_cache): f32[S, V] next-token logits at each sequence's last new token
+          (f32[T, V] at every token with `all_positions`), and the pool with the new tokens'
+          K/V written.
         """
-        B, Q = batch.input_ids.shape
-        x = self.embed_tokens(batch.input_ids)  # [B, Q, D]
+        md = batch.attention
+        T = batch.input_ids.shape[0]
+        x = self.embed_tokens(batch.input_ids)  # [T, D]
         # Computed once: without the barrier XLA fuses cos/sin into every layer's RoPE and
         # evaluates them again for each head.
         cos, sin = jax.lax.optimization_barrier(
@@ -100,20 +104,15 @@ class LlamaForCausalLM(nnx.Module):
         for i, layer in enumerate(self.layers):
             x, kv_cache, new_kv = layer(x, cos, sin, kv_cache, i, batch)
             if new_kv is not None:  # else the layer already wrote its K/V (xla, Pallas)
-                new_k.append(new_kv[0].reshape(B * Q, *new_kv[0].shape[2:]))
-                new_v.append(new_kv[1].reshape(B * Q, *new_kv[1].shape[2:]))
-        if new_k:  # every layer's new K/V, f[L, B * Q, K, H], in one scatter
-            kv_cache = pallas_kernels.write_kv(kv_cache, jnp.stack(new_k), jnp.stack(new_v),
-                                               batch.slot_mapping.reshape(B * Q))
+                new_k.append(new_kv[0])
+                new_v.append(new_kv[1])
+        if new_k:  # every layer's new K/V, f[L, T, K, H], in one scatter
+            kv_cache = write_kv(kv_cache, jnp.stack(new_k), jnp.stack(new_v), md.slot_mapping)
 
         if all_positions:
             return self.compute_logits(self.norm(x)), kv_cache
-        # Each row's (packed: each sequence's) last new token; padded rows start at b * Q.
-        starts = (jnp.arange(B) * Q if batch.query_start_loc is None
-                  else batch.query_start_loc[:-1])
-        last = jnp.minimum(starts + jnp.maximum(batch.query_lens - 1, 0), B * Q - 1)
-        x = self.norm(x.reshape(B * Q, -1)[last])  # [B or S, D]
-        return self.compute_logits(x), kv_cache
+        last = jnp.minimum(md.query_start_loc[:-1] + jnp.maximum(md.query_lens - 1, 0), T - 1)
+        return self.compute_logits(self.norm(x[last])), kv_cache  # [S, V]
 
     def compute_logits(self, x: jax.Array) -> jax.Array:
         """f[..., D] final hidden states -> f32[..., V] logits."""

@@ -20,6 +20,8 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from jaxpaged.pallas_kernels.backends import AttentionBackend
+
 
 # Keys some checkpoints carry that the model does not use (precomputed RoPE buffers).
 IGNORED_KEYS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
@@ -50,11 +52,12 @@ def _param_paths(state: nnx.State) -> list[str]:
 
 
 def load_weights(model_cls: type[nnx.Module], model_dir: str | Path, config, dtype,
-                 attention_backend: str = "xla") -> nnx.Module:
+                 attention_backend: AttentionBackend | str = "xla") -> nnx.Module:
     """Builds a `model_cls` (a registered family) with weights from `model_dir`, cast to `dtype`,
     by the class's `NAME_MAP` and `part_widths(config)`.
 
-    `attention_backend` is one of `pallas_kernels.ATTENTION_BACKENDS`.
+    `attention_backend` is a backend object or one of
+    `pallas_kernels.backends.ATTENTION_BACKENDS`.
 
     Raises:
       ValueError: a checkpoint key matches no entry of the name map, a parameter (or a part of a

@@ -15,6 +15,7 @@ from pathlib import Path
 from flax import nnx
 
 from jaxpaged.models.loader import load_weights
+from jaxpaged.pallas_kernels.backends import AttentionBackend
 
 # HF architecture name -> (module in jaxpaged.models, class name)
 MODEL_REGISTRY: dict[str, tuple[str, str]] = {
@@ -59,7 +60,7 @@ def load_config(model_dir: str | Path):
 
 
 def load_model(model_dir: str | Path, config, dtype,
-               attention_backend: str = "xla") -> nnx.Module:
+               attention_backend: AttentionBackend | str = "xla") -> nnx.Module:
     """The family's model for `model_dir`, with its weights (see `loader.load_weights`)."""
     return load_weights(model_class(_hf_config(model_dir)), model_dir, config, dtype,
                         attention_backend)

@@ -1,12 +1,16 @@
 """Paged attention on CPU through a C++ XLA FFI custom call (the "cpu" attention backend).
 
-`csrc/paged_attention_cpu.cc` reads each sequence's cached blocks in place in the pool, where
-the pure-jnp `paged_attention_xla_flat` first gathers them into a new buffer and then runs
-thousands of tiny dots; it also takes packed sequences of any lengths (`query_start_loc`), so a
-step need not pad its prompt chunks to a common length. It is compiled with the system C++
+`csrc/paged_attention_cpu.cc` reads each sequence's cached blocks in place in the pool (listed in
+one flat block list), where the pure-jnp `paged_attention_xla_packed` first gathers every
+token's pages into a new buffer; the new tokens' K/V come in as arguments, so all layers' are
+written in one scatter after the forward pass. It takes the packed step as every backend does
+(`query_start_loc`). It is compiled with the system C++
 compiler on first use (a few seconds), cached under `$JAXPAGED_HOME/kernels/` keyed by source,
 jaxlib version, CPU and compiler command, and registered with `jax.ffi`. Where no compiler is
 found, `available()` is False and the "auto" backend falls back to "xla".
+
+It also takes Gemma 2's logit soft cap and Mistral's (and Gemma 2's local layers') sliding
+window, with the semantics of Hugging Face transformers; see `paged_attention_cpu`.
 """
 
 from __future__ import annotations
@@ -98,12 +102,24 @@ def available() -> bool:
 def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: jax.Array,
                         layer: jax.Array, query_start_loc: jax.Array, query_lens: jax.Array,
                         context_blocks: jax.Array, context_rows: jax.Array,
-                        context_lens: jax.Array, *, scale: float) -> jax.Array:
+                        context_lens: jax.Array, *, scale: float,
+                        sliding_window: int | None = None,
+                        soft_cap: float | None = None) -> jax.Array:
     """Causal paged attention of packed sequences, read in place from the pool by the C++ kernel.
 
     Sequence b's new tokens are `q[query_start_loc[b] : query_start_loc[b] + query_lens[b]]`
     (vLLM's packed layout); each attends to its sequence's cached tokens, listed as blocks in the
-    flat block list of `paged_attention_xla_flat`, and to its own new tokens up to itself.
+    flat block list (`backends.CpuBackend`), and to its own new tokens up to itself.
+    Positions count from the sequence's first cached token: its cached tokens are at 0..c-1
+    (c = the sum of its `context_lens` entries) and its new tokens at c, c + 1, ...
+
+    `sliding_window` and `soft_cap` follow Mistral and Gemma 2 as implemented in Hugging Face
+    transformers (and `ragged_paged_attention_reference`): with a window of W tokens the query at
+    position p attends only to keys at positions p - W < j <= p, its last W positions itself
+    included; the kernel skips the cached blocks before a query chunk's window rather than
+    masking them. With a soft cap, each score s = (q . k) * scale becomes
+    soft_cap * tanh(s / soft_cap) before the softmax. With neither, the kernel runs the same
+    code as without them.
 
     Args:
       q: f32[T, N, H] queries (not pre-scaled).
@@ -115,18 +131,27 @@ def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cac
       context_blocks, context_rows, context_lens: i32[NB] the sequences' cached blocks (rows
         non-decreasing; padding entries last, with row B and 0 tokens).
       scale: softmax scale.
+      sliding_window: None (no window) or the window in tokens, >= 1, the query's own position
+        included (transformers' `config.sliding_window`).
+      soft_cap: None (no cap) or the attention logit soft cap, > 0 (Gemma 2's
+        `attn_logit_softcapping`, 50.0).
 
     Returns:
-      (out, kv_cache): out f32[T, N, H], equal to `paged_attention_xla_flat` on the same tokens
+      (out, kv_cache): out f32[T, N, H], equal to `paged_attention_xla_packed` on the same tokens
       up to float rounding, 0 for tokens of no sequence; and the pool, unchanged, aliased to
       the input buffer. Threading the pool through each layer's call makes the calls one chain
       of uses of its buffer, so XLA can order them before the step's K/V write without
       copying the pool.
 
     Raises:
+      ValueError: `sliding_window` < 1 or `soft_cap` <= 0.
       RuntimeError: `available()` is False. Inconsistent indices (a block outside the pool,
         `query_start_loc` past T) fail the call with a `JaxRuntimeError`.
     """
+    if sliding_window is not None and not 1 <= sliding_window < 2 ** 31:
+        raise ValueError(f"sliding_window must be a number of tokens >= 1, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     if not available():
         raise RuntimeError("the CPU attention kernel is not available (see the log)")
     call = jax.ffi.ffi_call(
@@ -137,4 +162,5 @@ def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cac
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     return call(f32(q), f32(k_new), f32(v_new), kv_cache, i32(layer), i32(query_start_loc),
                 i32(query_lens), i32(context_blocks), i32(context_rows), i32(context_lens),
-                scale=np.float32(scale))
+                scale=np.float32(scale), sliding_window=np.int32(sliding_window or 0),
+                soft_cap=np.float32(soft_cap or 0.0))

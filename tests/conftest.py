@@ -55,6 +55,7 @@ def make_llm():
     def make(model_dir, **kwargs):
         kwargs.setdefault("max_model_len", 256)
         kwargs.setdefault("num_kv_blocks", 256)
+        kwargs.setdefault("precompile", False)  # tests that count compilations ask for it
         llm = LLM(model_dir, **kwargs)
         _built.append(llm)
         return llm
@@ -71,7 +72,8 @@ def make_llm():
 def tiny_llm(tiny_model_dir):
     """One engine on the tiny model shared by a module's tests (leak-checked by `no_leaks`)."""
     from jaxpaged import LLM
-    return LLM(tiny_model_dir, max_model_len=256, num_kv_blocks=256, max_num_seqs=8)
+    return LLM(tiny_model_dir, max_model_len=256, num_kv_blocks=256, max_num_seqs=8,
+               precompile=False)
 
 
 @pytest.fixture(autouse=True)

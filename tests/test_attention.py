@@ -1,5 +1,5 @@
-"""The paged jnp attention and the C++ CPU kernel equal dense causal attention; the KV write
-lands in the right slots."""
+"""Every attention backend equals dense causal attention (with sliding windows and soft-caps)
+on packed steps; the C++ CPU kernel's own contract; the KV write lands in the right slots."""
 
 import shutil
 
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.pallas_kernels import (PAD_SLOT_ID, cpu_attention, paged_attention_xla,
-                                     paged_attention_xla_flat, write_kv)
+from jaxpaged.pallas_kernels import (PAD_SLOT_ID, AttentionSpec, StepLimits, cpu_attention,
+                                     make_attention_backend, write_kv)
 
 
 def dense_attention(q, k, v, scale):
@@ -55,25 +55,92 @@ def build_case(rng, context_lens, query_lens, block_size, num_kv_heads=2, group=
         query_lens, np.int32), dense
 
 
-@pytest.mark.parametrize("block_size", [8, 16])
-@pytest.mark.parametrize("mode", ["decode", "prefill", "chunk"])
-def test_paged_equals_dense(block_size, mode):
-    rng = np.random.default_rng(block_size)
-    context_lens = [1, 15, 16, 17, 100]
-    if mode == "decode":
-        query_lens = [1] * len(context_lens)
-    elif mode == "prefill":
-        query_lens = list(context_lens)
-    else:  # a chunk continuing a cached prefix; the first row has no prefix
-        query_lens = [1, 7, 9, 1, 33]
+BACKENDS = ["cpu", "xla", "pallas-interpret"]
+SPECS = [AttentionSpec(0.25), AttentionSpec(0.25, sliding_window=13),
+         AttentionSpec(0.25, sliding_window=5, soft_cap=2.0), AttentionSpec(0.25, soft_cap=1.5)]
+MODES = {  # (tokens per sequence with the new ones, new tokens per sequence)
+    "decode": ([1, 15, 16, 17, 100, 40], [1] * 6),
+    "prefill": ([1, 15, 16, 17, 100, 40], [1, 15, 16, 17, 100, 40]),
+    "chunk": ([1, 15, 16, 17, 100, 40], [1, 7, 9, 1, 33, 2]),
+}
+
+
+def dense_spec_attention(q, k, v, spec: AttentionSpec):
+    """`dense_attention` with the spec's soft-cap and sliding window (numpy, float64)."""
+    Q, N, H = q.shape
+    C, K, _ = k.shape
+    k, v = np.repeat(k, N // K, axis=1), np.repeat(v, N // K, axis=1)
+    s = np.einsum("qnh,cnh->nqc", q.astype(np.float64), k) * spec.scale
+    if spec.soft_cap is not None:
+        s = spec.soft_cap * np.tanh(s / spec.soft_cap)
+    q_pos, k_pos = np.arange(C - Q, C)[:, None], np.arange(C)[None, :]
+    valid = k_pos <= q_pos
+    if spec.sliding_window is not None:
+        valid &= k_pos > q_pos - spec.sliding_window
+    s = np.where(valid, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("nqc,cnh->qnh", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["plain", "window13", "window5-cap2", "cap1.5"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_backend_equals_dense(backend_name, mode, spec):
+    # Each backend on a packed step, through its own metadata: sequences of 1 to 100 tokens in
+    # blocks of 8, so windows of 5 and 13 end inside blocks and cross their boundaries, in
+    # decode, prefill and chunked steps; then all three mixed in one step. Layer 0 of the pool
+    # and every slot no sequence owns are poison.
+    if backend_name == "cpu" and not cpu_attention.available():
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(len(mode))
+    context_lens, query_lens = MODES[mode]
     q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense = build_case(
-        rng, context_lens, query_lens, block_size)
-    scale = 16 ** -0.5
-    out = np.asarray(paged_attention_xla(q, k_new, v_new, k_pages, v_pages, bt, nc, ql,
-                                         scale=scale))
+        rng, context_lens, query_lens, 8)
+    poison_unowned(k_pages, v_pages, bt, nc, 8)
+    check_backend(backend_name, spec, q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_backend_mixed_step_equals_dense(backend_name):
+    if backend_name == "cpu" and not cpu_attention.available():
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(5)
+    context_lens, query_lens = [30, 1, 40, 17, 70, 9], [1, 1, 40, 5, 37, 1]
+    q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense = build_case(
+        rng, context_lens, query_lens, 8)
+    poison_unowned(k_pages, v_pages, bt, nc, 8)
+    for spec in SPECS[1:3]:
+        check_backend(backend_name, spec, q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense)
+
+
+def check_backend(backend_name, spec, q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense):
+    B, S = len(nc), 8
+    backend = make_attention_backend(backend_name)
+    limits = StepLimits(block_size=S, num_blocks=k_pages.shape[1], max_seq_slots=8,
+                        max_blocks_per_seq=bt.shape[1])
+    T = int(ql.sum()) + 2  # two padding tokens at the end
+    md = backend.build(limits, T, [(list(bt[b]), int(nc[b]), int(ql[b])) for b in range(B)])
+    assert md.decode_only == (backend_name.startswith("pallas") and (ql == 1).all())
+    starts = md.query_start_loc[:B]
+    packed = lambda x: np.concatenate([x[b, :ql[b]] for b in range(B)]
+                                      + [np.full((2, *x.shape[2:]), 1e4, np.float32)])
+    layer = np.stack([k_pages, v_pages])
+    kv_cache = np.stack([np.full_like(layer, 1e4), layer])  # layer 0 is poison
+    attend = jax.jit(lambda q, k, v, kv_cache, md: backend.attention(q, k, v, kv_cache, 1, md,
+                                                                     spec))
+    out, pool, new_kv = attend(packed(q), packed(k_new), packed(v_new), kv_cache, md)
+    out = np.asarray(out)
+    assert np.isfinite(out).all()
+    assert (new_kv is None) == backend.writes_kv_per_layer
     for b, (k_all, v_all) in enumerate(dense):
-        want = dense_attention(q[b, :ql[b]], k_all, v_all, scale)
-        np.testing.assert_allclose(out[b, :ql[b]], want, rtol=1e-5, atol=1e-5)
+        want = dense_spec_attention(q[b, :ql[b]], k_all, v_all, spec)
+        np.testing.assert_allclose(out[starts[b]:starts[b] + ql[b]], want, rtol=2e-5, atol=2e-5)
+    if backend.writes_kv_per_layer:  # the new tokens' K/V are in the pool, nothing else moved
+        want_pool = np.asarray(write_kv(jnp.asarray(kv_cache), packed(k_new)[None],
+                                        packed(v_new)[None], md.slot_mapping, layer=1))
+        np.testing.assert_array_equal(np.asarray(pool), want_pool)
+    else:
+        np.testing.assert_array_equal(np.asarray(pool), kv_cache)
 
 
 def poison_unowned(k_pages, v_pages, block_tables, num_computed, block_size):
@@ -107,12 +174,9 @@ def test_cpu_kernel_builds_where_a_compiler_exists():
     assert cpu_attention.available() == has_compiler
 
 
-def flat_attention(impl, q, k_new, v_new, k_pages, v_pages, blocks, rows, lens, ql, scale):
-    """`paged_attention_xla_flat`, or the C++ kernel reading layer 1 of a 2-layer pool whose
-    layer 0 is poison."""
-    if impl == "xla":
-        return paged_attention_xla_flat(q, k_new, v_new, k_pages, v_pages, blocks, rows, lens,
-                                        ql, scale=scale)
+def flat_attention(q, k_new, v_new, k_pages, v_pages, blocks, rows, lens, ql, scale):
+    """The C++ kernel on padded rows `[B, Q]`, reading layer 1 of a 2-layer pool whose layer 0
+    is poison."""
     if not cpu_attention.available():
         pytest.skip("no C++ compiler")
     B, Q, N, H = q.shape
@@ -133,9 +197,8 @@ def cpu_kernel(q, k_new, v_new, k_pages, v_pages, query_start_loc, ql, blocks, r
     return out
 
 
-@pytest.mark.parametrize("impl", ["xla", "cpu"])
 @pytest.mark.parametrize("mode", ["decode", "prefill", "chunk"])
-def test_flat_block_list_equals_dense(mode, impl):
+def test_cpu_kernel_flat_block_list_equals_dense(mode):
     rng = np.random.default_rng(7)
     context_lens = [1, 15, 16, 17, 100, 40]
     query_lens = {"decode": [1] * 6, "prefill": context_lens, "chunk": [1, 7, 9, 1, 33, 2]}[mode]
@@ -143,16 +206,15 @@ def test_flat_block_list_equals_dense(mode, impl):
         rng, context_lens, query_lens, 8)
     poison_unowned(k_pages, v_pages, bt, nc, 8)
     blocks, rows, lens = flat_blocks(bt, nc, 8, num_padding=5)
-    out = np.asarray(flat_attention(impl, q, k_new, v_new, k_pages, v_pages, blocks, rows, lens,
-                                    ql, 0.25))
+    out = np.asarray(flat_attention(q, k_new, v_new, k_pages, v_pages, blocks, rows, lens, ql,
+                                    0.25))
     assert np.isfinite(out).all()
     for b, (k_all, v_all) in enumerate(dense):
         want = dense_attention(q[b, :ql[b]], k_all, v_all, 0.25)
         np.testing.assert_allclose(out[b, :ql[b]], want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "cpu"])
-def test_flat_padding_rows_and_rows_without_context(impl):
+def test_cpu_kernel_padding_rows_and_rows_without_context():
     # Row 1 has no cached tokens (a fresh prefill); row 3 is a padding row (no tokens at all).
     rng = np.random.default_rng(3)
     q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense = build_case(
@@ -160,8 +222,8 @@ def test_flat_padding_rows_and_rows_without_context(impl):
     pad = lambda a: np.concatenate([a, np.zeros_like(a[:1])])
     blocks, rows, lens = flat_blocks(bt, nc, 8, num_padding=3)
     rows = np.where(rows == len(nc), len(nc) + 1, rows)  # padding entries name row B
-    out = np.asarray(flat_attention(impl, pad(q), pad(k_new), pad(v_new), k_pages, v_pages,
-                                    blocks, rows, lens, pad(ql), 0.25))
+    out = np.asarray(flat_attention(pad(q), pad(k_new), pad(v_new), k_pages, v_pages, blocks,
+                                    rows, lens, pad(ql), 0.25))
     assert np.isfinite(out).all()
     for b, (k_all, v_all) in enumerate(dense):
         want = dense_attention(q[b, :ql[b]], k_all, v_all, 0.25)
@@ -208,20 +270,8 @@ def test_cpu_kernel_rejects_a_block_outside_the_pool():
     blocks, rows, lens = flat_blocks(bt, nc, 8, num_padding=0)
     blocks[0] = k_pages.shape[1]  # one past the last block
     with pytest.raises(Exception, match="context block id out of range"):
-        np.asarray(flat_attention("cpu", q, k_new, v_new, k_pages, v_pages, blocks, rows, lens,
-                                  ql, 0.25))
-
-
-def test_padding_rows_are_finite_and_do_not_touch_real_rows():
-    rng = np.random.default_rng(0)
-    q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense = build_case(rng, [17, 5], [1, 1], 8)
-    pad = lambda a: np.concatenate([a, np.zeros_like(a[:1])])
-    out = np.asarray(paged_attention_xla(pad(q), pad(k_new), pad(v_new), k_pages, v_pages,
-                                         pad(bt), pad(nc), pad(ql), scale=0.25))
-    assert np.isfinite(out).all()
-    ref = np.asarray(paged_attention_xla(q, k_new, v_new, k_pages, v_pages, bt, nc, ql,
-                                         scale=0.25))
-    np.testing.assert_array_equal(out[:2], ref)
+        np.asarray(flat_attention(q, k_new, v_new, k_pages, v_pages, blocks, rows, lens, ql,
+                                  0.25))
 
 
 def test_write_kv_scatters_to_slots_and_drops_padding():

@@ -51,24 +51,42 @@ def test_default_model_matches_hf(make_llm, default_model_dir):
 
 
 def test_beams_share_blocks_and_free_them(make_llm, tiny_model_dir):
+    # Each round's beams are requests whose common prefix comes from the prefix cache: in the
+    # steps that run them, they hold the prompt's full blocks once between them.
     llm = make_llm(tiny_model_dir, block_size=8, num_kv_blocks=256)
     engine = llm.llm_engine
     ids = engine.tokenize_prompt("a prompt long enough to fill a few blocks of eight tokens")[1]
     usage = []
 
-    def watch(e):
-        beams = e.scheduler.running
-        unshared = sum(len(s.block_table) for s in beams)
-        usage.append((e.stats()["num_used_blocks"], unshared, e.stats()["num_shared_blocks"]))
+    def watch(out):  # at the start of each step, with its sequences' blocks allocated
+        if len(out.seqs) > 1:
+            unshared = sum(len(s.block_table) for s in out.seqs)
+            usage.append((engine.stats()["num_used_blocks"], unshared,
+                          engine.stats()["num_shared_blocks"]))
 
-    out = beam_search(engine, ids, BeamSearchParams(beam_width=4, max_tokens=12,
-                                                    ignore_eos=True), on_step=watch)
+    engine.runner.fault_hook = watch
+    [out] = beam_search(engine, [ids], BeamSearchParams(beam_width=4, max_tokens=12,
+                                                        ignore_eos=True))
     assert len(out.sequences) == 4
-    running = [u for u in usage if u[1]]  # the last step ends every beam
-    assert len(running) >= 10
-    assert all(used < unshared and shared >= len(ids) // 8 for used, unshared, shared in running)
+    assert len(usage) >= 10  # rounds 2..12 run their 4 beams in one step
+    assert all(used < unshared and shared >= len(ids) // 8 for used, unshared, shared in usage)
     stats = engine.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_cow_copies"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_prefix_cache_hits"] >= 10 * 4 * (len(ids) // 8)
+
+
+def test_prompts_beams_run_in_the_same_steps(make_llm, tiny_model_dir):
+    # Two prompts searched together give what each gives alone, in the steps of one search.
+    llm = make_llm(tiny_model_dir, block_size=8, num_kv_blocks=256)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    prompts = ["The capital of France is", "Once upon a time"]
+    steps = []
+    llm.llm_engine.runner.fault_hook = lambda out: steps.append(len(out.seqs))
+    together = llm.beam_search(prompts, params)
+    assert max(steps) == 6 and len(steps) == 6  # one step a round, both prompts' beams in it
+    for prompt, got in zip(prompts, together):
+        [alone] = llm.beam_search(prompt, params)
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in alone.sequences]
 
 
 def test_bad_beam_params_raise_value_error(make_llm, tiny_model_dir):

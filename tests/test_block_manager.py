@@ -210,6 +210,47 @@ def test_update_from_output_books_the_step_except_for_faulted_requests():
     sched.add(b)
     out = sched.schedule()
     assert out.num_scheduled_tokens == [9, 9]
-    assert sched.update_from_output(out, {"b"}) == 9  # a's prompt tokens, not b's
+    update = sched.update_from_output(out, [[], []], {"b"})
+    assert update.num_prompt_tokens == 9  # a's prompt tokens, not b's
     assert (a.num_computed_tokens, b.num_computed_tokens) == (9, 0)
     assert sorted(bm.cached_block_ids.values()) == a.block_table[:2]
+
+
+def test_update_from_output_appends_forks_and_finishes():
+    """The scheduler appends each row's sampled tokens, forks a request's other completions
+    after its prompt, and finishes a sequence on EOS, a stop token (after min_tokens) or its
+    length; a prompt chunk with more to come appends nothing."""
+    from types import SimpleNamespace as Tok
+
+    bm = BlockManager(32, 4)
+    sched = Scheduler(SchedulerConfig(max_model_len=12, max_num_batched_tokens=8), bm,
+                      eos_token_ids={2})
+    eos = Sequence("eos", 0, [5, 6, 7], SamplingParams(max_tokens=5), 0)
+    stop = Sequence("stop", 0, [5, 6], SamplingParams(stop_token_ids=[9], min_tokens=2), 0)
+    n2 = Sequence("n2", 0, [5] * 3, SamplingParams(n=2, max_tokens=2), 7)
+    n2.num_forks = 1
+    long = Sequence("long", 0, list(range(10)), SamplingParams(), 0)
+    for s in (eos, stop, n2, long):
+        sched.add(s)
+    out = sched.schedule()
+    assert out.seqs == [eos, stop, n2] and out.num_scheduled_tokens == [3, 2, 3]
+    update = sched.update_from_output(out, [[Tok(token_id=4, logprob=-1.0)],
+                                            [Tok(token_id=9, logprob=-2.0)],
+                                            [Tok(token_id=3, logprob=-0.5),
+                                             Tok(token_id=8, logprob=-0.25)]])
+    assert update.num_prompt_tokens == 8
+    (_, [(a, _)]), (_, [(b, _)]), (_, [(c, _), (child, _)]) = update.appended
+    assert (a, b, c) == (eos, stop, n2) and child.index == 1 and child.seed == 8
+    assert child in sched.running and child.block_table == n2.block_table
+    assert (n2.output_token_ids, child.output_token_ids) == ([3], [8])
+    assert (n2.cumulative_logprob, child.cumulative_logprob) == (-0.5, -0.25)
+    assert not stop.is_finished  # 9 is a stop token, but min_tokens=2 holds it back
+    out = sched.schedule()
+    assert out.seqs == [eos, stop, n2, child, long] and out.num_scheduled_tokens[-1] == 4
+    sampled = [[Tok(token_id=t, logprob=0.0)] for t in (2, 9, 1, 4)] + [[]]
+    sched.update_from_output(out, sampled)
+    assert (eos.finish_reason, eos.stop_reason) == ("stop", None)
+    assert (stop.finish_reason, stop.stop_reason) == ("stop", 9)
+    assert n2.finish_reason == child.finish_reason == "length"  # max_tokens=2
+    assert long.output_token_ids == [] and long.num_computed_tokens == 4
+    assert sched.running == [long]

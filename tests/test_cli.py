@@ -23,7 +23,7 @@ def test_generate_and_chat_print_the_greedy_completion(tiny_llm, tiny_model_dir)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     want = tiny_llm.generate("Hello world", params, use_tqdm=False)[0].outputs[0].text
     res = run_cli("generate", "Hello world", "--model", str(tiny_model_dir), "--max-tokens", "6",
-                  "--temperature", "0", "--max-model-len", "256")
+                  "--temperature", "0", "--max-model-len", "256", "--no-precompile")
     assert res.returncode == 0, res.stderr
     # The tiny model never emits EOS in 6 tokens here, so ignore_eos does not change the text.
     assert res.stdout == want + "\n"
@@ -31,7 +31,7 @@ def test_generate_and_chat_print_the_greedy_completion(tiny_llm, tiny_model_dir)
     chat_want = tiny_llm.chat([{"role": "user", "content": "Hi"}], params,
                               use_tqdm=False)[0].outputs[0].text
     res = run_cli("chat", "Hi", "--model", str(tiny_model_dir), "--max-tokens", "6",
-                  "--temperature", "0", "--max-model-len", "256")
+                  "--temperature", "0", "--max-model-len", "256", "--no-precompile")
     assert res.returncode == 0, res.stderr
     assert res.stdout == chat_want + "\n"
 
@@ -52,7 +52,7 @@ def test_serve_the_default_model_to_the_openai_client(default_model_dir):
                                "--max-model-len", "512", "--num-kv-blocks", "128"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        llm = LLM(default_model_dir, max_model_len=512, num_kv_blocks=128)
+        llm = LLM(default_model_dir, precompile=False, max_model_len=512, num_kv_blocks=128)
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         params = SamplingParams(temperature=0, max_tokens=32)
         chat_want = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text

@@ -4,22 +4,25 @@
 import re
 
 import jax
-import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams
-from jaxpaged.model_runner import PAD_SLOT_ID, _padding_context
-from jaxpaged.models import ModelInput
+from jaxpaged.pallas_kernels import cpu_attention, make_attention_backend
 
 
-def test_after_precompile_a_mixed_workload_compiles_no_new_step(make_llm, tiny_model_dir):
+@pytest.mark.parametrize("backend", ["cpu", "xla", "pallas-interpret"])
+def test_after_precompile_a_mixed_workload_compiles_no_new_step(make_llm, tiny_model_dir,
+                                                                backend):
+    if backend == "cpu" and not cpu_attention.available():
+        pytest.skip("no C++ compiler")
     llm = make_llm(tiny_model_dir, max_model_len=64, num_kv_blocks=64, max_num_seqs=2,
-                   max_num_batched_tokens=32, precompile=True)
-    engine = llm.llm_engine
-    sc = engine.scheduler_config
-    shapes = engine.runner.bucket_shapes(sc.max_num_seqs, sc.max_num_batched_tokens,
-                                         sc.max_model_len)
+                   max_num_batched_tokens=32, precompile=True, attention_backend=backend)
+    runner = llm.llm_engine.runner
+    shapes = runner.step_shapes(32)
     assert llm.stats()["num_compilations"] == len(shapes)
+    # One shape per token bucket (1, 2, 3, 4, 6, ..., 32); the Pallas backends also compile
+    # the decode-only steps of the buckets that many sequences fill (1 and 2 here).
+    assert len(shapes) == 10 + (2 if backend.startswith("pallas") else 0)
     shared = "a shared instruction prefix that spans more than one block of tokens " * 2
     prompts = [shared + "first", "short", shared + "second question here",
                "a prompt long enough to be chunked under a 32 token budget " * 3, "x y z",
@@ -33,17 +36,25 @@ def test_after_precompile_a_mixed_workload_compiles_no_new_step(make_llm, tiny_m
     assert llm.stats()["num_compilations"] == len(shapes)
 
 
-@pytest.mark.parametrize("backend", ["auto", "xla"])
-def test_precompile_auto_compiles_only_the_packed_shapes(make_llm, tiny_model_dir, backend):
-    llm = make_llm(tiny_model_dir, max_model_len=64, num_kv_blocks=64, max_num_seqs=2,
-                   max_num_batched_tokens=32, precompile="auto", attention_backend=backend)
+@pytest.mark.parametrize("backend,most", [("cpu", 32), ("xla", 32), ("pallas", 64),
+                                          ("pallas-interpret", 64)])
+def test_step_shapes_under_the_default_serving_limits(make_llm, tiny_model_dir, backend,
+                                                      most):
+    # The shapes `precompile` compiles (the test above checks it compiles exactly these) under
+    # `LLM`'s default limits: 256 sequences, a 2,048-token budget. The "pallas" backend's
+    # shapes are the same as its interpreter's; its kernels cannot run here, so only its
+    # metadata is built.
+    if backend == "cpu" and not cpu_attention.available():
+        pytest.skip("no C++ compiler")
+    llm = make_llm(tiny_model_dir, max_model_len=2048, num_kv_blocks=512,
+                   attention_backend="pallas-interpret" if backend == "pallas" else backend)
     runner, sc = llm.llm_engine.runner, llm.llm_engine.scheduler_config
-    if backend == "auto" and not runner.packed:
-        pytest.skip("no C++ compiler: 'auto' is the 'xla' case")
-    shapes = runner.bucket_shapes(sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len)
-    assert llm.stats()["num_compilations"] == (len(shapes) if runner.packed else 0)
-    if runner.packed:  # one shape per token bucket: the context list's length follows T
-        assert len({T for _, T, _ in shapes}) == len(shapes)
+    assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (256, 2048)
+    if backend == "pallas":
+        runner.backend = make_attention_backend("pallas")
+    shapes = runner.step_shapes(sc.max_num_batched_tokens)
+    assert len(shapes) <= most
+    assert len({T for T, _ in shapes}) == 22  # 1, 2, 3, 4, 6, 8, ..., 1536, 2048
 
 
 def test_shared_blocks_outnumbering_the_pool_take_a_longer_context_list(make_llm,
@@ -55,12 +66,12 @@ def test_shared_blocks_outnumbering_the_pool_take_a_longer_context_list(make_llm
     params = SamplingParams(n=24, seed=3, max_tokens=4, ignore_eos=True)
     small = make_llm(tiny_model_dir, max_model_len=128, num_kv_blocks=64, max_num_seqs=32)
     runner = small.llm_engine.runner
-    if not runner.packed:
-        pytest.skip("no C++ compiler: no packed steps")
+    if runner.backend.name != "cpu":
+        pytest.skip("no C++ compiler: no flat block list")
     lengths = []
-    prepare = runner.prepare_packed
-    runner.prepare_packed = lambda *a, **k: (b := prepare(*a, **k), lengths.append(
-        len(b.context_blocks)))[0]
+    prepare = runner.prepare
+    runner.prepare = lambda *a, **k: (b := prepare(*a, **k), lengths.append(
+        len(b.attention.context_blocks)))[0]
     got = small.generate([prompt], params, use_tqdm=False)[0].outputs
     big = make_llm(tiny_model_dir, max_model_len=128, num_kv_blocks=256, max_num_seqs=32)
     want = big.generate([prompt], params, use_tqdm=False)[0].outputs
@@ -83,15 +94,9 @@ def test_compiled_step_copies_neither_the_pool_nor_any_weight(make_llm, tiny_mod
     # every step.
     llm = make_llm(tiny_model_dir, max_model_len=64, num_kv_blocks=64, attention_backend=backend)
     runner = llm.llm_engine.runner
-    if backend == "auto" and not runner.packed:
+    if backend == "auto" and runner.backend.name != "cpu":
         pytest.skip("no C++ compiler: 'auto' is the 'xla' case")
-    if runner.packed:
-        batch = runner.prepare_packed([], [], T=8, NB=4)
-    else:  # two padding decode rows, four padding context entries
-        zeros = np.zeros((2, 1), np.int32)
-        batch = ModelInput(zeros, zeros, np.full((2, 1), PAD_SLOT_ID, np.int32),
-                           np.zeros((2, 0), np.int32), np.zeros(2, np.int32),
-                           np.zeros(2, np.int32), *_padding_context(4, 2))
+    batch = runner._padding_batch(8)
     hlo = runner._step.lower(runner.params, runner.kv_cache, batch).compile().as_text()
     L, _, K, P, S, H = runner.kv_cache.shape
     pools = {(L, 2, K, P, S, H), (L, 2, K, P * S, H)}

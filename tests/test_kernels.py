@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from jaxpaged.pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-from jaxpaged.pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
-                                                            ragged_paged_attention_reference)
+from jaxpaged.pallas_kernels.ragged_paged_attention import (
+    BLOCK_Q, max_query_tiles, query_tiles, ragged_paged_attention,
+    ragged_paged_attention_reference)
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # (q heads per KV head, head_dim, block_size, dtype): every ratio, head dim, block size and dtype
@@ -105,6 +106,93 @@ def test_unwritten_rows_stay_poisoned():
     args, num_real = ragged_case(np.random.default_rng(3), 2, 64, 16, jnp.float32)
     out = np.asarray(ragged_paged_attention(*args, scale=0.125, interpret=True))
     assert np.isnan(out[num_real:]).all() and np.isfinite(out[:num_real]).all()
+
+
+@pytest.mark.parametrize("block_size, soft_cap, sliding_window", [
+    (8, None, None), (16, None, None), (8, 30.0, 13), (16, 20.0, 21)])
+def test_packed_mix_with_padding_and_unused_rows(block_size, soft_cap, sliding_window):
+    """vLLM v1's packed batch in one call: decodes, a fresh prefill over several tiles, chunks on
+    a cached prefix (one exactly two tiles long); T padded past the real tokens; B larger than
+    num_seqs, with the unused rows holding tokens and context that must be ignored."""
+    rng = np.random.default_rng(block_size + (sliding_window or 0))
+    K, group, H, S = 2, 2, 64, block_size
+    rows = [(37, 1), (40, 40), (70, 21), (9, 1), (48, 2 * BLOCK_Q)]  # (context, new tokens)
+    num_seqs, B, M = len(rows), len(rows) + 3, 10
+    num_real = sum(q for _, q in rows)
+    T = num_real + 17
+    # The unused rows have tokens up to T and a context, to show they are ignored.
+    cu = np.cumsum([0] + [q for _, q in rows] + [5, T - num_real - 5, 0]).astype(np.int32)
+    cl = jnp.asarray([c for c, _ in rows] + [20, 30, 40], jnp.int32)
+    k_pages, v_pages = pool(rng, K, H, S, B * M + 2, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((T, K * group, H)), jnp.float32)
+    bt = block_tables_for(rng, B, M, B * M + 2)
+    args = (q, k_pages, v_pages, bt, cl, jnp.asarray(cu))
+    kw = dict(scale=H ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window)
+    out = np.asarray(ragged_paged_attention(*args, jnp.int32(num_seqs), interpret=True, **kw))
+    ref = ragged_paged_attention_reference(*args, num_seqs, **kw)
+    assert_close(out[:num_real], ref[:num_real], jnp.float32)
+    assert np.isnan(out[num_real:]).all()  # padding and unused rows: no program wrote them
+    if sliding_window is not None:  # the window really cuts: the output differs without it
+        full = ragged_paged_attention_reference(*args, num_seqs, **{**kw, "sliding_window": None})
+        assert np.abs(np.asarray(full[:num_real]) - out[:num_real]).max() > 1e-3
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def pallas_call_grids(fn, *args):
+    """The grid of every pallas_call in fn's jaxpr (searched through nested jaxprs)."""
+    from jax.extend.core import jaxprs_in_params
+
+    grids = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                grids.append(tuple(eqn.params["grid_mapping"].grid))
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return grids
+
+
+@pytest.mark.parametrize("T, B", [(256, 8), (8, 8), (64, 256), (1000, 3), (2048, 64)])
+def test_ragged_grid_covers_query_tiles_not_rows_times_max_q_len(T, B):
+    K, N, H, S, M, P = 2, 4, 64, 16, 16, 64
+    f32, i32 = (lambda *s: jax.ShapeDtypeStruct(s, jnp.float32),
+                lambda *s: jax.ShapeDtypeStruct(s, jnp.int32))
+    grids = pallas_call_grids(functools.partial(ragged_paged_attention, scale=0.125),
+                              f32(T, N, H), f32(K, P, S, H), f32(K, P, S, H), i32(B, M), i32(B),
+                              i32(B + 1), i32())
+    # One program per possible query tile and KV head; the old grid was (B, K, cdiv(T, BLOCK_Q)).
+    bound = min(T, (T + min(B, T) * (BLOCK_Q - 1)) // BLOCK_Q)
+    assert grids == [(bound, K)] and bound == max_query_tiles(T, B)
+    assert bound <= cdiv(T, BLOCK_Q) + B
+
+
+def test_query_tiles_map_every_row_once_and_bound_is_tight():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        B, T = int(rng.integers(1, 12)), int(rng.integers(1, 200))
+        num_seqs = int(rng.integers(0, B + 1))
+        cuts = np.sort(rng.integers(0, T + 1, num_seqs))  # any split of up to T tokens
+        cu = np.concatenate([[0], cuts, np.full(B - num_seqs, T)]).astype(np.int32)
+        G = max_query_tiles(T, B)
+        seq, row0, n = map(np.asarray, query_tiles(jnp.asarray(cu), num_seqs, G))
+        q_lens = np.diff(cu)[:num_seqs]
+        assert n[0] == sum(cdiv(q, BLOCK_Q) for q in q_lens) <= G
+        covered = [cu[s] + r for s, r0 in zip(seq[:n[0]], row0[:n[0]])
+                   for r in range(r0, min(r0 + BLOCK_Q, cu[s + 1] - cu[s]))]
+        assert sorted(covered) == list(range(cu[num_seqs]))  # every real row, exactly once
+        assert all(s < num_seqs and r0 < cu[s + 1] - cu[s]
+                   for s, r0 in zip(seq[:n[0]], row0[:n[0]]))
+    # Tight: min(B, T) - 1 one-token sequences and one holding the rest reach the bound.
+    for T, B in [(256, 8), (8, 8), (64, 256), (1000, 3), (100, 8), (17, 2), (1, 1)]:
+        n = min(B, T)
+        q_lens = [1] * (n - 1) + [T - n + 1]
+        assert sum(cdiv(q, BLOCK_Q) for q in q_lens) == max_query_tiles(T, B)
 
 
 @pytest.mark.parametrize("call", [

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jaxpaged import SamplingParams
 from jaxpaged.models import ModelInput, forward, load_config, load_model
+from jaxpaged.pallas_kernels import StepLimits, make_attention_backend
 
 PROMPTS = [
     "Hi",
@@ -39,22 +40,22 @@ def hf_greedy(model_dir, prompt_ids, max_new_tokens):
 
 
 def prefill_logits(model_dir, prompt_ids, block_size=16):
-    """Next-token logits of all prompts in one batched prefill, through the pure step function."""
+    """Next-token logits of all prompts packed in one prefill, through the pure step function."""
     config = load_config(model_dir)
-    graphdef, params = nnx.split(load_model(model_dir, config, jnp.float32))
+    backend = make_attention_backend("xla")
+    graphdef, params = nnx.split(load_model(model_dir, config, jnp.float32, backend))
     B, Q = len(prompt_ids), max(len(p) for p in prompt_ids)
     blocks_per_row = -(-Q // block_size)
     kv_cache = jnp.zeros((config.num_hidden_layers, 2, config.num_key_value_heads,
                           B * blocks_per_row, block_size, config.head_dim), jnp.float32)
-    input_ids = np.zeros((B, Q), np.int32)
-    slot_mapping = np.full((B, Q), -1, np.int32)
-    for b, ids in enumerate(prompt_ids):
-        input_ids[b, :len(ids)] = ids
-        slot_mapping[b, :len(ids)] = b * blocks_per_row * block_size + np.arange(len(ids))
-    batch = ModelInput(input_ids=input_ids, positions=np.tile(np.arange(Q, dtype=np.int32), (B, 1)),
-                       slot_mapping=slot_mapping, block_tables=np.zeros((B, 0), np.int32),
-                       num_computed_tokens=np.zeros(B, np.int32),
-                       query_lens=np.array([len(p) for p in prompt_ids], np.int32))
+    limits = StepLimits(block_size=block_size, num_blocks=B * blocks_per_row, max_seq_slots=B,
+                        max_blocks_per_seq=blocks_per_row)
+    tables = [list(range(b * blocks_per_row, (b + 1) * blocks_per_row)) for b in range(B)]
+    md = backend.build(limits, sum(map(len, prompt_ids)),
+                       [(table, 0, len(ids)) for table, ids in zip(tables, prompt_ids)])
+    batch = ModelInput(np.concatenate(prompt_ids).astype(np.int32),
+                       np.concatenate([np.arange(len(p)) for p in prompt_ids]).astype(np.int32),
+                       md)
     step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1)
     logits, _ = step(params, kv_cache, batch)
     return np.asarray(logits)

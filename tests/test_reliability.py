@@ -238,11 +238,11 @@ def test_a_fault_after_the_kv_writes_and_block_copies_is_rerun_safely(make_llm, 
     prepare, apply_copies = runner.prepare_sampling, runner.apply_copies
     events = []
 
-    def faulty_prepare(samples, logits_row):
+    def faulty_prepare(samples):
         if any(seq.params.seed == 666 and seq.num_output_tokens == 1 for _, seq, _ in samples):
             events.append(("fault", len(samples)))
             raise RuntimeError("injected fault after the model step")
-        return prepare(samples, logits_row)
+        return prepare(samples)
 
     def counted_copies(copies):
         events.append(("copy", len(copies)))
@@ -307,7 +307,8 @@ def tight_llm(tiny_model_dir):
     """A pool of 12 blocks (192 tokens) and 48-token steps: forks preempt one another and
     prompts are chunked."""
     from jaxpaged import LLM
-    return LLM(tiny_model_dir, max_model_len=128, num_kv_blocks=12, max_num_seqs=8,
+    return LLM(tiny_model_dir, precompile=False,
+               max_model_len=128, num_kv_blocks=12, max_num_seqs=8,
                max_num_batched_tokens=48)
 
 

@@ -22,7 +22,8 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "In a hole in the gr
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     """The tiny model served with room for 2000-token completions; leak-checked at the end."""
-    llm = LLM(tiny_model_dir, max_model_len=2100, num_kv_blocks=512, max_num_seqs=32)
+    llm = LLM(tiny_model_dir, precompile=False,
+              max_model_len=2100, num_kv_blocks=512, max_num_seqs=32)
     with ServerThread(llm, MODEL) as server:
         yield server
         _wait_idle(server)
@@ -297,7 +298,7 @@ def test_unknown_model_and_route_are_404(server, client):
 
 
 def test_api_key(tiny_model_dir):
-    llm = LLM(tiny_model_dir, max_model_len=128, num_kv_blocks=32, max_num_seqs=4)
+    llm = LLM(tiny_model_dir, precompile=False, max_model_len=128, num_kv_blocks=32, max_num_seqs=4)
     with ServerThread(llm, MODEL, api_key="sesame") as server:
         for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}]:
             r = httpx.get(f"{server.url}/v1/models", headers=headers)

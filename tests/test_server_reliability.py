@@ -31,7 +31,8 @@ JSON = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    llm = LLM(tiny_model_dir, max_model_len=256, num_kv_blocks=128, max_num_seqs=8)
+    llm = LLM(tiny_model_dir, precompile=False,
+              max_model_len=256, num_kv_blocks=128, max_num_seqs=8)
     with ServerThread(llm, MODEL) as server:
         yield server
 
@@ -379,7 +380,7 @@ def test_a_request_that_always_fails_is_retried_without_stopping_the_server(serv
 
 
 def test_a_fatal_fault_gives_503_and_serve_exits_1(tiny_model_dir):
-    llm = LLM(tiny_model_dir, max_model_len=64, num_kv_blocks=16, max_num_seqs=2)
+    llm = LLM(tiny_model_dir, precompile=False, max_model_len=64, num_kv_blocks=16, max_num_seqs=2)
     llm.llm_engine.runner.fault_hook = _always
     with ServerThread(llm, MODEL) as server:
         r = _post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
@@ -388,7 +389,7 @@ def test_a_fatal_fault_gives_503_and_serve_exits_1(tiny_model_dir):
         assert error["message"] == "the engine stopped on a fatal fault; restart the server"
         _assert_openai_error(_post(server, "/v1/completions", {"prompt": "Hi"}), 503)
     # The same through `run_server` (what `jaxpaged serve` runs): it exits with status 1.
-    llm = LLM(tiny_model_dir, max_model_len=64, num_kv_blocks=16, max_num_seqs=2)
+    llm = LLM(tiny_model_dir, precompile=False, max_model_len=64, num_kv_blocks=16, max_num_seqs=2)
     llm.llm_engine.runner.fault_hook = _always
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,6 +17,18 @@
 // against the one-form kernel before it: a 512-token prompt 6.5 -> 3.4 ms, a 512-token chunk
 // over 1024 cached tokens 30 -> 15 ms, 64 decodes over 600 cached tokens 3.4-3.9 -> 2.8-3.2 ms.
 //
+// Two options of Gemma 2 / Mistral (as in Hugging Face transformers): a logit soft cap, each
+// score s = (q . k) * scale becoming soft_cap * tanh(s / soft_cap) before the softmax, and a
+// sliding window of W tokens, the query at position p seeing only keys at positions
+// p - W < j <= p. Positions count from each sequence's first cached token: its cached tokens
+// are at 0..c-1 (c = the sum of its entries' context_lens) and its new token i at c + i. A
+// query's visible keys in any run of consecutive positions (a cached block, a tile of new
+// tokens) are one interval, so nothing is masked: the rows that see all of a run go as one
+// group, the rows at the causal diagonal or the window's edge one by one over their part of
+// it, and the rows that see none of it, like the blocks before a task's window, are skipped.
+// With neither option the code is the same as without them: the cap is a template flag
+// resolved once per block, and with no window every row sees every cached block whole.
+//
 // The queries are one flat token axis: sequence b's new tokens are q[query_start_loc[b] ..
 // query_start_loc[b] + query_lens[b]), so a step can pack decodes and prompt chunks of any
 // lengths without padding each to the longest (vLLM's `query_start_loc`). A padded [B, Q] batch
@@ -37,10 +49,12 @@
 //   context_rows     s32[NB]            sequence of each entry, non-decreasing; >= B for padding
 //   context_lens     s32[NB]            cached tokens in each entry (<= S)
 //   scale (attr)     f32                softmax scale
+//   sliding_window (attr) s32           window W in tokens (>= 1), 0 for none
+//   soft_cap (attr)  f32                logit soft cap (> 0), 0 for none
 // Output:
 //   out              f32[T, N, H]       attention of each new token over its sequence's cached
-//                                       tokens and its own new tokens up to itself; 0 for tokens
-//                                       of no sequence
+//                                       tokens and its own new tokens up to itself (its last W
+//                                       positions with a window); 0 for tokens of no sequence
 
 #include <algorithm>
 #include <atomic>
@@ -78,6 +92,8 @@ struct Args {
   const int32_t* lens;
   const int64_t* row_start;  // [B + 1] each sequence's first entry in the flat block list
   float scale;
+  int64_t window;  // sliding window in tokens, 0 for none
+  float soft_cap;  // 0 for none
   float* out;
 };
 
@@ -141,13 +157,19 @@ inline void ScoresByDim(const Row* r, const float* kt, int64_t n, float* s, int6
 // Adds keys t = 0..n-1, with scores s (NR rows, `ld` apart) and values at vb (rows `stride`
 // floats apart), to NR query rows: the online-softmax update. With a compiled head size each
 // value row is loaded once for the NR rows; otherwise once per row.
-template <int NR, int kH>
+// kCap: the scores first become cap * tanh(score / cap) (Gemma 2's logit soft cap).
+template <int NR, int kH, bool kCap>
 inline void Apply(Row* r, const float* vb, int64_t stride, int64_t n, int64_t head_dim,
-                  float* s, int64_t ld) {
+                  float* s, int64_t ld, float cap) {
   const int64_t H = kH > 0 ? kH : head_dim;
   for (int j = 0; j < NR; ++j) {
     Row& row = r[j];
     float* p = s + j * ld;
+    if constexpr (kCap) {
+      const float inv_cap = 1.f / cap;
+#pragma omp simd
+      for (int64_t t = 0; t < n; ++t) p[t] = cap * std::tanh(p[t] * inv_cap);
+    }
     float tile_max = kMaskValue;
     for (int64_t t = 0; t < n; ++t) tile_max = std::max(tile_max, p[t]);
     if (tile_max > row.m) {  // rescale what was accumulated against the old max
@@ -190,20 +212,21 @@ inline void Apply(Row* r, const float* vb, int64_t stride, int64_t n, int64_t he
   }
 }
 
-template <int NR, int kH>
+template <int NR, int kH, bool kCap>
 inline void UpdateByKey(Row* r, const float* kb, const float* vb, int64_t stride, int64_t n,
-                        int64_t H, float* s, int64_t ld) {
+                        int64_t H, float* s, int64_t ld, float cap) {
   ScoresByKey<NR, kH>(r, kb, stride, n, H, s, ld);
-  Apply<NR, kH>(r, vb, stride, n, H, s, ld);
+  Apply<NR, kH, kCap>(r, vb, stride, n, H, s, ld, cap);
 }
 
 constexpr int64_t kRowsByDim = 8;  // from this many rows, scores go through a transposed tile
 
 // Adds keys/values t = 0..n-1 (rows `stride` floats apart) to `num_rows` query rows, four at a
-// time. kH: the head size when known at compile time (64, 128), else 0.
-template <int kH>
+// time. kH: the head size when known at compile time (64, 128), else 0. kCap: soft-capped
+// scores (cap).
+template <int kH, bool kCap>
 void UpdateH(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t stride,
-             int64_t n, int64_t H, float* s, int64_t ld) {
+             int64_t n, int64_t H, float* s, int64_t ld, float cap) {
   if constexpr (kH > 0) {
     if (num_rows >= kRowsByDim) {
       float kt[kH * kTile];
@@ -217,27 +240,34 @@ void UpdateH(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t
         int64_t left = num_rows;
         for (; left >= 4; g += 4, left -= 4) {
           ScoresByDim<4, kH>(g, kt, m, s, ld);
-          Apply<4, kH>(g, vt, stride, m, H, s, ld);
+          Apply<4, kH, kCap>(g, vt, stride, m, H, s, ld, cap);
         }
         for (; left > 0; ++g, --left) {
           ScoresByDim<1, kH>(g, kt, m, s, ld);
-          Apply<1, kH>(g, vt, stride, m, H, s, ld);
+          Apply<1, kH, kCap>(g, vt, stride, m, H, s, ld, cap);
         }
       }
       return;
     }
   }
-  for (; num_rows >= 4; r += 4, num_rows -= 4) UpdateByKey<4, kH>(r, kb, vb, stride, n, H, s, ld);
-  if (num_rows == 3) UpdateByKey<3, kH>(r, kb, vb, stride, n, H, s, ld);
-  if (num_rows == 2) UpdateByKey<2, kH>(r, kb, vb, stride, n, H, s, ld);
-  if (num_rows == 1) UpdateByKey<1, kH>(r, kb, vb, stride, n, H, s, ld);
+  for (; num_rows >= 4; r += 4, num_rows -= 4)
+    UpdateByKey<4, kH, kCap>(r, kb, vb, stride, n, H, s, ld, cap);
+  if (num_rows == 3) UpdateByKey<3, kH, kCap>(r, kb, vb, stride, n, H, s, ld, cap);
+  if (num_rows == 2) UpdateByKey<2, kH, kCap>(r, kb, vb, stride, n, H, s, ld, cap);
+  if (num_rows == 1) UpdateByKey<1, kH, kCap>(r, kb, vb, stride, n, H, s, ld, cap);
 }
 
+// cap: the logit soft cap, 0 for none.
 inline void Update(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t stride,
-                   int64_t n, int64_t H, float* s, int64_t ld) {
-  if (H == 64) return UpdateH<64>(r, num_rows, kb, vb, stride, n, H, s, ld);
-  if (H == 128) return UpdateH<128>(r, num_rows, kb, vb, stride, n, H, s, ld);
-  UpdateH<0>(r, num_rows, kb, vb, stride, n, H, s, ld);
+                   int64_t n, int64_t H, float* s, int64_t ld, float cap) {
+  if (cap > 0.f) {
+    if (H == 64) return UpdateH<64, true>(r, num_rows, kb, vb, stride, n, H, s, ld, cap);
+    if (H == 128) return UpdateH<128, true>(r, num_rows, kb, vb, stride, n, H, s, ld, cap);
+    return UpdateH<0, true>(r, num_rows, kb, vb, stride, n, H, s, ld, cap);
+  }
+  if (H == 64) return UpdateH<64, false>(r, num_rows, kb, vb, stride, n, H, s, ld, cap);
+  if (H == 128) return UpdateH<128, false>(r, num_rows, kb, vb, stride, n, H, s, ld, cap);
+  UpdateH<0, false>(r, num_rows, kb, vb, stride, n, H, s, ld, cap);
 }
 
 void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
@@ -260,16 +290,49 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
       rows[r] = Row{qs + r * H, qs + (R + r) * H, kMaskValue, 0.f};
     }
 
-  // The cached context: every query sees all of it. The blocks lie anywhere in the pool, so
+  const int64_t W = a.window;
+  const float cap = a.soft_cap;
+  const int64_t e0 = a.row_start[task.b], e1 = a.row_start[task.b + 1];
+  auto len_of = [&](int64_t e) { return std::clamp<int64_t>(a.lens[e], 0, d.S); };
+  int64_t c = 0;  // cached tokens: new token i is at position c + i
+  for (int64_t e = e0; e < e1; ++e) c += len_of(e);
+
+  // Adds the keys at positions [p0, p0 + n) (rows `stride` floats apart from kb, vb) to each
+  // row that sees any of them; query i (position c + i) sees (c + i - W, c + i], or 0..c + i
+  // with no window. Those visible keys are an interval of the span: rows [f0, f1) see all of
+  // it and go as one group; rows before f0 (the causal diagonal) and after f1 (the window's
+  // edge) see part of it, token by token (G heads each); rows that see none are skipped.
+  auto span = [&](int64_t p0, int64_t n, const float* kb, const float* vb, int64_t stride) {
+    const int64_t f0 = std::clamp(p0 + n - 1 - c, task.i0, task.i1);
+    const int64_t f1 = W > 0 ? std::clamp(p0 + W - c, f0, task.i1) : task.i1;
+    auto part = [&](int64_t i) {  // row i over its visible keys [lo, hi)
+      const int64_t lo = W > 0 ? std::max(p0, c + i - W + 1) : p0;
+      const int64_t hi = std::min(p0 + n, c + i + 1);
+      if (hi > lo)
+        Update(&rows[(i - task.i0) * G], G, kb + (lo - p0) * stride, vb + (lo - p0) * stride,
+               stride, hi - lo, H, s, ld, cap);
+      return hi > lo;
+    };
+    for (int64_t i = std::max(task.i0, p0 - c); i < f0; ++i) part(i);  // before: sees none
+    if (f1 > f0)
+      Update(&rows[(f0 - task.i0) * G], (f1 - f0) * G, kb, vb, stride, n, H, s, ld, cap);
+    for (int64_t i = f1; i < task.i1 && part(i); ++i) {}  // later rows see less of it
+  };
+
+  // The cached context: with no window every query sees all of it; with one, the blocks
+  // before the task's first row's window are skipped. The blocks lie anywhere in the pool, so
   // the hardware prefetcher cannot run ahead from one to the next: the keys and values of the
   // block kPrefetchBlocks ahead are prefetched while this one is computed.
-  const int64_t e0 = a.row_start[task.b], e1 = a.row_start[task.b + 1];
+  int64_t e_first = e0, pos = 0;  // first block any row sees, and its first token's position
+  if (W > 0)
+    for (const int64_t lo = c + task.i0 - W + 1; e_first < e1 && pos + len_of(e_first) <= lo;)
+      pos += len_of(e_first++);
   auto block_of = [&](int64_t e, const float* pages) {
     return pages + (k * d.P + a.blocks[e]) * d.S * H;
   };
   auto prefetch = [&](int64_t e) {
     if (e >= e1) return;
-    const int64_t bytes = std::clamp<int64_t>(a.lens[e], 0, d.S) * H * sizeof(float);
+    const int64_t bytes = len_of(e) * H * sizeof(float);
     const char* kb = reinterpret_cast<const char*>(block_of(e, a.k_pages));
     const char* vb = reinterpret_cast<const char*>(block_of(e, a.v_pages));
     for (int64_t off = 0; off < bytes; off += 64) {
@@ -277,33 +340,35 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
       __builtin_prefetch(vb + off, 0, 2);
     }
   };
-  for (int64_t e = e0; e < e0 + kPrefetchBlocks; ++e) prefetch(e);
-  for (int64_t e = e0; e < e1; ++e) {
+  for (int64_t e = e_first; e < e_first + kPrefetchBlocks; ++e) prefetch(e);
+  for (int64_t e = e_first; e < e1; ++e) {
     prefetch(e + kPrefetchBlocks);
-    const int64_t n = std::clamp<int64_t>(a.lens[e], 0, d.S);
+    const int64_t n = len_of(e);
     if (n == 0) continue;
-    Update(rows.data(), R, block_of(e, a.k_pages), block_of(e, a.v_pages), H, n, H, s, ld);
+    const float* kb = block_of(e, a.k_pages);
+    const float* vb = block_of(e, a.v_pages);
+    if (W == 0)
+      Update(rows.data(), R, kb, vb, H, n, H, s, ld, cap);
+    else
+      span(pos, n, kb, vb, H);
+    pos += n;
   }
 
-  // The new tokens, causal: new token i sees new tokens 0..i.
-  for (int64_t j0 = 0; j0 < task.i1; j0 += kTile) {
-    const float* kb = a.k_new + ((first + j0) * K + k) * H;
-    const float* vb = a.v_new + ((first + j0) * K + k) * H;
-    // Tokens on the tile's diagonal see part of it, token by token (G heads each); the
-    // tokens past it see all kTile keys, and go as one group of rows.
-    const int64_t lo = std::max(task.i0, j0);
-    const int64_t full = std::clamp(j0 + kTile - 1, lo, task.i1);
-    for (int64_t i = lo; i < full; ++i)
-      Update(&rows[(i - task.i0) * G], G, kb, vb, K * H, i + 1 - j0, H, s, ld);
-    if (full < task.i1)
-      Update(&rows[(full - task.i0) * G], (task.i1 - full) * G, kb, vb, K * H, kTile, H, s, ld);
+  // The new tokens, causal, a tile of kTile at a time: new token i sees new tokens 0..i (or
+  // i - W + 1..i). Tokens on a tile's diagonal see part of it; the tokens past it see all of
+  // it (with a window, up to the window's edge) and go as one group of rows.
+  for (int64_t j0 = W > 0 ? std::max<int64_t>(0, task.i0 - W + 1) : 0; j0 < task.i1;
+       j0 += kTile) {
+    const int64_t n = std::min(kTile, task.i1 - j0);
+    span(c + j0, n, a.k_new + ((first + j0) * K + k) * H, a.v_new + ((first + j0) * K + k) * H,
+         K * H);
   }
 
   for (int64_t i = task.i0; i < task.i1; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const Row& r = rows[(i - task.i0) * G + g];
       float* o = a.out + ((first + i) * d.N + k * G + g) * H;
-      const float inv = 1.f / r.l;  // l >= 1: a token always sees itself
+      const float inv = 1.f / r.l;  // l >= 1: a token always sees itself (W >= 1)
       for (int64_t h = 0; h < H; ++h) o[h] = r.acc[h] * inv;
     }
 }
@@ -337,6 +402,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::S32> context_blocks,
                               ffi::Buffer<ffi::S32> context_rows,
                               ffi::Buffer<ffi::S32> context_lens, float scale,
+                              int32_t sliding_window, float soft_cap,
                               ffi::ResultBuffer<ffi::F32> out,
                               ffi::ResultBuffer<ffi::F32> kv_cache_out) {
   auto qd = q.dimensions();
@@ -353,6 +419,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                  static_cast<int64_t>(context_blocks.element_count())};
   if (static_cast<int64_t>(query_start_loc.element_count()) != B + 1)
     return ffi::Error::InvalidArgument("query_start_loc must have one more entry than query_lens");
+  if (sliding_window < 0 || !(soft_cap >= 0.f))
+    return ffi::Error::InvalidArgument("sliding_window and soft_cap must be >= 0 (0: none)");
   const int64_t l_idx = layer.typed_data()[0];
   if (l_idx < 0 || l_idx >= d.L) return ffi::Error::InvalidArgument("layer out of range");
   const int32_t* qsl = query_start_loc.typed_data();
@@ -385,7 +453,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const float* pool_layer = kv_cache.typed_data() + l_idx * layer_size;
   w->args = Args{d, q.typed_data(), k_new.typed_data(), v_new.typed_data(), pool_layer,
                  pool_layer + layer_size / 2, qsl, qlens, blocks, context_lens.typed_data(),
-                 w->row_start.data(), scale, out->typed_data()};
+                 w->row_start.data(), scale, sliding_window, soft_cap, out->typed_data()};
   std::fill(out->typed_data(), out->typed_data() + d.T * d.N * d.H, 0.f);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i0 = 0; i0 < qlens[b]; i0 += kQueryChunk)
@@ -416,6 +484,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // context_rows
                                   .Arg<ffi::Buffer<ffi::S32>>()  // context_lens
                                   .Attr<float>("scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // kv_cache, aliased
 );

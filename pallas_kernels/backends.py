@@ -1,0 +1,284 @@
+"""Attention backends: one object per way of running paged attention over a packed step.
+
+Every backend reads the same step layout (vLLM v1's flattened batch, tpu-inference's
+`AttentionMetadata`): the step's T new tokens lie on one axis, decodes and prompt chunks alike,
+sequence s owning tokens `query_start_loc[s] : query_start_loc[s] + query_lens[s]` at positions
+`num_computed_tokens[s] ..`. Each backend builds the rest of its metadata from the scheduled
+step (how it reads the cached blocks), owns its shape buckets, and writes new K/V its own way:
+
+  "cpu"               the C++ kernel (`cpu_attention`) reads cached blocks in place, listed in
+                      a flat block list of a length fixed per T; all layers' new K/V are written
+                      in one scatter after the forward pass. float32 pools; other dtypes run
+                      the "xla" code on the same metadata.
+  "xla"               pure jnp (`reference.paged_attention_xla_packed`): each token gathers its
+                      sequence's pages through the block table; each layer writes its new K/V
+                      first. The reference, and the fallback where no C++ compiler is found;
+                      it reads `max_blocks_per_seq` pages per token.
+  "pallas"            the Pallas kernels (Triton on GPU): each layer writes its new K/V first;
+                      decode-only steps run `paged_attention`, others `ragged_paged_attention`.
+  "pallas-interpret"  the same under the Pallas interpreter (CPU tests).
+
+`make_attention_backend` is the one place a backend is chosen. The model calls
+`backend.attention(q, k, v, kv_cache, layer, metadata, spec)` with its layer's `AttentionSpec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.pallas_kernels import cpu_attention
+from jaxpaged.pallas_kernels.paged_attention import paged_attention
+from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from jaxpaged.pallas_kernels.reference import PAD_SLOT_ID, paged_attention_xla_packed, write_kv
+
+ATTENTION_BACKENDS = ("auto", "cpu", "pallas", "pallas-interpret", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """One layer's attention, as every backend applies it (static under jit).
+
+    scale: logit scale (usually head_dim ** -0.5; Gemma 2: query_pre_attn_scalar ** -0.5).
+    sliding_window: a token attends only to its last `sliding_window` positions, itself
+      included (Mistral, Gemma 2 local layers); None: the whole context.
+    soft_cap: logits become soft_cap * tanh(logits / soft_cap) (Gemma 2); None: no cap.
+    """
+
+    scale: float
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+    def __post_init__(self):
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.soft_cap is not None and self.soft_cap <= 0:
+            raise ValueError(f"soft_cap must be > 0 or None, got {self.soft_cap}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLimits:
+    """What a backend needs to pad a step: the pool and the scheduler's limits."""
+
+    block_size: int  # tokens per KV block
+    num_blocks: int  # blocks in the pool
+    max_seq_slots: int  # sequence slots of the largest step: `max_num_seqs`, padded
+    max_blocks_per_seq: int  # blocks of a `max_model_len` sequence
+
+    def num_seqs_bucket(self, T: int) -> int:
+        """Sequence slots of a step of T tokens (its logits rows): tied to T, so a step's
+        shapes vary in T alone."""
+        return min(T, self.max_seq_slots)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """One packed step's attention inputs (int32 NumPy or jax arrays), S = sequence slots.
+
+    Sequence slots past the real ones have `query_lens == 0`, `query_start_loc` equal to the
+    real token count, and no blocks; tokens past the last sequence have `slot_mapping ==
+    PAD_SLOT_ID`. A backend fills either `block_tables` (xla, Pallas) or the flat block list
+    (cpu), never both.
+    """
+
+    slot_mapping: jax.Array  # i32[T] flat pool slot (`block * S + offset`) of each new token
+    query_start_loc: jax.Array  # i32[S + 1] first token of each sequence
+    num_computed_tokens: jax.Array  # i32[S] tokens of each sequence already in the pool
+    query_lens: jax.Array  # i32[S] new tokens of each sequence
+    # i32[S, max_blocks_per_seq] each sequence's blocks, cached and new tokens' (0 past them)
+    block_tables: jax.Array | None = None
+    context_blocks: jax.Array | None = None  # i32[NB] every sequence's cached blocks in order
+    context_rows: jax.Array | None = None  # i32[NB] sequence of each (S for padding entries)
+    context_lens: jax.Array | None = None  # i32[NB] cached tokens in each (0 for padding)
+    # Static: every sequence has one new token (the Pallas backends run the decode kernel).
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @property
+    def seq_lens(self) -> jax.Array:
+        """i32[S] tokens of each sequence with its new ones."""
+        return self.num_computed_tokens + self.query_lens
+
+
+class AttentionBackend:
+    """A way of running paged attention; subclasses set `name` and override what differs."""
+
+    name: ClassVar[str]
+    # True: each layer writes its new K/V before reading the pool; False: `attention` returns
+    # them and the model writes all layers' in one scatter (`reference.write_kv`).
+    writes_kv_per_layer: ClassVar[bool] = True
+
+    def variants(self, T: int, limits: StepLimits) -> list[bool]:
+        """The `decode_only` values a step of T tokens can take (each one compiled shape)."""
+        return [False]
+
+    def build(self, limits: StepLimits, T: int,
+              seqs: list[tuple[list[int], int, int]], decode_only: bool | None = None
+              ) -> AttentionMetadata:
+        """The metadata of a step of T tokens (padded) whose sequences are
+        `(block_table, num_computed_tokens, num_new_tokens)`, packed in that order; with no
+        sequences, a padding-only step (it writes nothing) of variant `decode_only`."""
+        S, B = limits.block_size, limits.num_seqs_bucket(T)
+        assert len(seqs) <= B, (len(seqs), T)
+        slot_mapping = np.full((T,), PAD_SLOT_ID, np.int32)
+        num_computed, query_lens = np.zeros((B,), np.int32), np.zeros((B,), np.int32)
+        query_start_loc = np.full((B + 1,), sum(q for _, _, q in seqs), np.int32)
+        start = 0
+        for i, (table, computed, q) in enumerate(seqs):
+            pos = np.arange(computed, computed + q)
+            slot_mapping[start:start + q] = np.asarray(table, np.int32)[pos // S] * S + pos % S
+            num_computed[i], query_lens[i], query_start_loc[i] = computed, q, start
+            start += q
+        if decode_only is None:  # only backends with a decode-only variant tell them apart
+            decode_only = (bool(seqs) and all(q == 1 for _, _, q in seqs)
+                           and True in self.variants(T, limits))
+        return AttentionMetadata(slot_mapping, query_start_loc, num_computed, query_lens,
+                                 decode_only=decode_only,
+                                 **self._blocks(limits, T, B, seqs))
+
+    def _blocks(self, limits: StepLimits, T: int, B: int, seqs) -> dict[str, np.ndarray]:
+        """How this backend reads the sequences' blocks: `block_tables` over cached and new
+        tokens, `max_blocks_per_seq` columns (the xla and Pallas backends)."""
+        S = limits.block_size
+        tables = np.zeros((B, limits.max_blocks_per_seq), np.int32)
+        for i, (table, computed, q) in enumerate(seqs):
+            n = -(-(computed + q) // S)
+            tables[i, :n] = table[:n]
+        return {"block_tables": tables}
+
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
+                  layer: int, md: AttentionMetadata, spec: AttentionSpec):
+        """One layer's causal paged attention over a packed step.
+
+        Args:
+          q: f[T, N, H]; k, v: f[T, K, H] the new tokens' projections (RoPE applied).
+          kv_cache: f[L, 2, K, P, S, H] the whole pool; `layer` (a Python int) is this layer's.
+          md: the step's `AttentionMetadata` from this backend's `build`.
+          spec: the layer's `AttentionSpec`.
+
+        Returns:
+          (out f[T, N, H], kv_cache, new_kv): new_kv is None when the layer's K/V are already
+          in the returned pool (`writes_kv_per_layer`), else (k, v) to write after all layers.
+          Rows of padding tokens hold finite garbage or 0.
+        """
+        raise NotImplementedError
+
+    @staticmethod
+    def _write(kv_cache, k, v, md: AttentionMetadata, layer: int):
+        # Written before the layer reads the pool: each layer's write depends (through the
+        # hidden state) on the previous layer's reads, so XLA orders them without copying.
+        return write_kv(kv_cache, k[None], v[None], md.slot_mapping, layer=layer)
+
+
+class XlaBackend(AttentionBackend):
+    name = "xla"
+
+    def attention(self, q, k, v, kv_cache, layer, md, spec):
+        kv_cache = self._write(kv_cache, k, v, md, layer)
+        out = paged_attention_xla_packed(
+            q, kv_cache[layer, 0], kv_cache[layer, 1], md.block_tables, md.seq_lens,
+            md.query_start_loc, scale=spec.scale, sliding_window=spec.sliding_window,
+            soft_cap=spec.soft_cap)
+        return out, kv_cache, None
+
+
+class PallasBackend(AttentionBackend):
+    name = "pallas"
+    interpret: ClassVar[bool] = False
+
+    def variants(self, T, limits):
+        return [False, True] if T <= limits.num_seqs_bucket(T) else [False]
+
+    def attention(self, q, k, v, kv_cache, layer, md, spec):
+        kv_cache = self._write(kv_cache, k, v, md, layer)
+        k_pages, v_pages = kv_cache[layer, 0], kv_cache[layer, 1]
+        kw = dict(scale=spec.scale, soft_cap=spec.soft_cap, sliding_window=spec.sliding_window,
+                  interpret=self.interpret)
+        if md.decode_only:  # sequence s's one token is token query_start_loc[s]
+            rows = md.query_start_loc[:-1]
+            out = paged_attention(q[rows], k_pages, v_pages, md.block_tables, md.seq_lens, **kw)
+            return jnp.zeros_like(q).at[rows].set(out, mode="drop"), kv_cache, None
+        num_seqs = jnp.sum(md.query_lens > 0, dtype=jnp.int32)
+        out = ragged_paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens,
+                                     md.query_start_loc, num_seqs, **kw)
+        # The kernel leaves the padding tokens' rows unwritten.
+        real = jnp.arange(q.shape[0]) < md.query_start_loc[-1]
+        return jnp.where(real[:, None, None], out, 0), kv_cache, None
+
+
+class PallasInterpretBackend(PallasBackend):
+    name = "pallas-interpret"
+    interpret = True
+
+
+class CpuBackend(AttentionBackend):
+    """The C++ kernel; `float32=False` (another pool dtype) runs the "xla" code instead."""
+
+    name = "cpu"
+
+    def __init__(self, float32: bool = True):
+        self.float32 = float32
+        self._xla = None if float32 else XlaBackend()
+        self.writes_kv_per_layer = not float32
+
+    def _blocks(self, limits, T, B, seqs):
+        if not self.float32:
+            return super()._blocks(limits, T, B, seqs)
+        S = limits.block_size
+        num_blocks = [-(-computed // S) for _, computed, _ in seqs]
+        NB = self.num_context_entries(limits, T, sum(num_blocks))
+        blocks, rows = np.zeros((NB,), np.int32), np.full((NB,), B, np.int32)
+        lens = np.zeros((NB,), np.int32)
+        start = 0
+        for i, ((table, computed, _), n) in enumerate(zip(seqs, num_blocks)):
+            blocks[start:start + n], rows[start:start + n] = table[:n], i
+            lens[start:start + n] = S
+            if n:
+                lens[start + n - 1] = computed - (n - 1) * S
+            start += n
+        return {"context_blocks": blocks, "context_rows": rows, "context_lens": lens}
+
+    @staticmethod
+    def num_context_entries(limits: StepLimits, T: int, num_blocks: int = 0) -> int:
+        """Entries of a step's flat block list: as many cached blocks as its sequences can
+        hold or the pool holds, whichever is fewer, so the shape depends on T alone (the kernel
+        skips padding entries at the cost of reading their row ids). Only shared blocks (forks,
+        prefix hits) can take a step's list past the pool's size; such a step gets the most its
+        sequences can hold, one more shape for that T, compiled when first met."""
+        most = limits.num_seqs_bucket(T) * limits.max_blocks_per_seq
+        fixed = min(most, limits.num_blocks)
+        return fixed if num_blocks <= fixed else most
+
+    def attention(self, q, k, v, kv_cache, layer, md, spec):
+        if self._xla is not None:
+            return self._xla.attention(q, k, v, kv_cache, layer, md, spec)
+        out, kv_cache = cpu_attention.paged_attention_cpu(
+            q, k, v, kv_cache, layer, md.query_start_loc, md.query_lens, md.context_blocks,
+            md.context_rows, md.context_lens, scale=spec.scale,
+            sliding_window=spec.sliding_window, soft_cap=spec.soft_cap)
+        return out.astype(q.dtype), kv_cache, (k, v)
+
+
+def make_attention_backend(name: str, dtype=jnp.float32) -> AttentionBackend:
+    """The backend for `name` ("auto": Pallas on GPU; on CPU "cpu" where the C++ kernel builds,
+    else "xla") and the pool's dtype.
+
+    Raises:
+      ValueError: an unknown name, or "cpu" where the C++ kernel cannot be built.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend {name!r} is not one of {ATTENTION_BACKENDS}")
+    if name == "auto":
+        name = ("pallas" if jax.default_backend() != "cpu"
+                else "cpu" if cpu_attention.available() else "xla")
+    if name == "cpu":
+        if not cpu_attention.available():
+            raise ValueError("attention_backend 'cpu' needs the C++ kernel, which could not be "
+                             "built here (see the log); use 'xla'")
+        return CpuBackend(float32=jnp.dtype(dtype) == jnp.float32)
+    return {"xla": XlaBackend, "pallas": PallasBackend,
+            "pallas-interpret": PallasInterpretBackend}[name]()
