@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.pallas_kernels import (PAD_SLOT_ID, AttentionSpec, StepLimits, cpu_attention,
-                                     make_attention_backend, write_kv)
+                                     make_attention_backend, ragged_paged_attention_reference,
+                                     write_kv)
 
 
 def dense_attention(q, k, v, scale):
@@ -135,6 +136,16 @@ def check_backend(backend_name, spec, q, k_new, v_new, k_pages, v_pages, bt, nc,
     for b, (k_all, v_all) in enumerate(dense):
         want = dense_spec_attention(q[b, :ql[b]], k_all, v_all, spec)
         np.testing.assert_allclose(out[starts[b]:starts[b] + ql[b]], want, rtol=2e-5, atol=2e-5)
+    # And against the kernels' jnp reference, on the pages with the new K/V written.
+    pages = np.asarray(write_kv(jnp.asarray(kv_cache), packed(k_new)[None], packed(v_new)[None],
+                                md.slot_mapping, layer=1))[1]
+    tables = np.zeros((B, limits.max_blocks_per_seq), np.int32)
+    tables[:, :bt.shape[1]] = bt
+    ref = np.asarray(ragged_paged_attention_reference(
+        packed(q), pages[0], pages[1], tables, nc + ql, md.query_start_loc[:B + 1], B,
+        scale=spec.scale, soft_cap=spec.soft_cap, sliding_window=spec.sliding_window))
+    real = slice(0, int(ql.sum()))
+    np.testing.assert_allclose(out[real], ref[real], rtol=2e-5, atol=2e-5)
     if backend.writes_kv_per_layer:  # the new tokens' K/V are in the pool, nothing else moved
         want_pool = np.asarray(write_kv(jnp.asarray(kv_cache), packed(k_new)[None],
                                         packed(v_new)[None], md.slot_mapping, layer=1))

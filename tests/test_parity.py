@@ -61,12 +61,12 @@ def prefill_logits(model_dir, prompt_ids, block_size=16):
     return np.asarray(logits)
 
 
-def check_parity(make_llm, model_dir):
+def check_parity(make_llm, model_dir, attention_backend="auto"):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
     assert len({len(p) for p in prompt_ids}) == len(PROMPTS)  # all lengths differ
 
-    llm = make_llm(model_dir, max_model_len=256)
+    llm = make_llm(model_dir, max_model_len=256, attention_backend=attention_backend)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS),
                            use_tqdm=False)
     hf_model, hf_ids = hf_greedy(model_dir, prompt_ids, MAX_NEW_TOKENS)
@@ -82,8 +82,9 @@ def check_parity(make_llm, model_dir):
         assert rel < 1e-4, (PROMPTS[b], rel)
 
 
-def test_tiny_random_llama_matches_transformers(make_llm, tiny_model_dir):
-    check_parity(make_llm, tiny_model_dir)
+@pytest.mark.parametrize("backend", ["auto", "xla", "pallas-interpret"])
+def test_tiny_random_llama_matches_transformers(make_llm, tiny_model_dir, backend):
+    check_parity(make_llm, tiny_model_dir, backend)
 
 
 @pytest.fixture(scope="module")
