@@ -101,21 +101,24 @@ def test_backend_equals_dense(backend_name, mode, spec):
     check_backend(backend_name, spec, q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense)
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_backend_mixed_step_equals_dense(backend_name):
+def test_backend_mixed_step_equals_dense(backend_name, block_size):
     if backend_name == "cpu" and not cpu_attention.available():
         pytest.skip("no C++ compiler")
     rng = np.random.default_rng(5)
     context_lens, query_lens = [30, 1, 40, 17, 70, 9], [1, 1, 40, 5, 37, 1]
     q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense = build_case(
-        rng, context_lens, query_lens, 8)
-    poison_unowned(k_pages, v_pages, bt, nc, 8)
-    for spec in SPECS[1:3]:
-        check_backend(backend_name, spec, q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense)
+        rng, context_lens, query_lens, block_size)
+    poison_unowned(k_pages, v_pages, bt, nc, block_size)
+    for spec in SPECS[:3]:
+        check_backend(backend_name, spec, q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense,
+                      block_size)
 
 
-def check_backend(backend_name, spec, q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense):
-    B, S = len(nc), 8
+def check_backend(backend_name, spec, q, k_new, v_new, k_pages, v_pages, bt, nc, ql, dense,
+                  block_size=8):
+    B, S = len(nc), block_size
     backend = make_attention_backend(backend_name)
     limits = StepLimits(block_size=S, num_blocks=k_pages.shape[1], max_seq_slots=8,
                         max_blocks_per_seq=bt.shape[1])
