@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -67,6 +68,12 @@ class LLMEngine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
             max_num_partial_prefills=max_num_partial_prefills)
+        if cache_config.enable_prefix_caching and self.model_config.rope_switch_length:
+            # A block's K/V then depends on its sequence's length (longrope rotates with the
+            # long factors once a sequence passes the original length), not on its tokens alone.
+            logger.warning("prefix caching is off: this model's RoPE (longrope) makes cached "
+                           "blocks depend on the length of the sequence that computed them")
+            cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
         self.cache_config = cache_config
         num_blocks = num_kv_blocks(self.model_config, cache_config, self.dtype)
         if num_blocks * cache_config.block_size < self.scheduler_config.max_model_len:
@@ -86,7 +93,8 @@ class LLMEngine:
                                   self.eos_token_ids, self.scheduler_config.max_num_seqs,
                                   self.scheduler_config.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
-                                   padded_tokens=bucket, eos_token_ids=self.eos_token_ids)
+                                   padded_tokens=bucket, eos_token_ids=self.eos_token_ids,
+                                   recompute_at=self.model_config.rope_switch_length)
         self.executor = FaultIsolatingExecutor(self.runner)
         if precompile:
             self.runner.precompile(self.runner.step_shapes(

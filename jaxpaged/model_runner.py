@@ -138,7 +138,8 @@ class ModelRunner:
     def _padding_batch(self, T: int, decode_only: bool = False) -> ModelInput:
         """A padding-only step of T tokens (see `step_shapes`): it writes nothing."""
         zeros = np.zeros((T,), np.int32)
-        return ModelInput(zeros, zeros, self.backend.build(self.limits, T, [], decode_only))
+        return ModelInput(zeros, zeros, self.backend.build(self.limits, T, [], decode_only),
+                          rope_seq_lens=zeros if self.config.rope_switch_length else None)
 
     def probe(self) -> None:
         """Runs the smallest padding-only step and a greedy draw from its first logits row,
@@ -237,15 +238,18 @@ class ModelRunner:
         in the order given (sequence i's logits are row i); the backend's metadata for them."""
         T = bucket(sum(num_new_tokens))
         input_ids, positions = np.zeros((T,), np.int32), np.zeros((T,), np.int32)
+        rope_seq_lens = np.zeros((T,), np.int32) if self.config.rope_switch_length else None
         start = 0
         for seq, q in zip(seqs, num_new_tokens):
             first = seq.num_computed_tokens
             input_ids[start:start + q] = seq.token_ids[first:first + q]
             positions[start:start + q] = np.arange(first, first + q)
+            if rope_seq_lens is not None:
+                rope_seq_lens[start:start + q] = seq.num_tokens
             start += q
         md = self.backend.build(self.limits, T, [
             (seq.block_table, seq.num_computed_tokens, q) for seq, q in zip(seqs, num_new_tokens)])
-        return ModelInput(input_ids, positions, md)
+        return ModelInput(input_ids, positions, md, rope_seq_lens)
 
     def prepare_sampling(self, samples: list[tuple[int, Sequence, int]]
                          ) -> tuple[np.ndarray, SamplingMetadata]:

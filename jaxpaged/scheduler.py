@@ -81,12 +81,17 @@ class Scheduler:
       padded_tokens: the number of tokens a step of n tokens is padded to (the runner's
         `buckets.bucket` on the packed layout), or None when steps are not padded that way.
       eos_token_ids: the tokens that end a sequence (unless its `ignore_eos`).
+      recompute_at: a length past which a sequence's earlier K/V no longer hold (longrope's
+        switch), or None: a running sequence that reaches it is computed again from its start,
+        as a preemption by recompute (transformers' Phi-3 drops its cache there too).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  padded_tokens: Callable[[int], int] | None = None,
-                 eos_token_ids: Collection[int] = frozenset()):
+                 eos_token_ids: Collection[int] = frozenset(),
+                 recompute_at: int | None = None):
         self.config = config
+        self.recompute_at = recompute_at
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.padded_tokens = padded_tokens
@@ -144,6 +149,10 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if self._passes_recompute_length(seq):
+                self._preempt(seq)
+                out.preempted.append(seq)
+                continue
             remaining = seq.num_tokens - seq.num_computed_tokens
             q = 1 if _is_decode(seq) else self._prefill_tokens(seq, remaining, budget)
             if q == 0:  # a prompt chunk held back by the prefill cap
@@ -160,6 +169,13 @@ class Scheduler:
                 out.num_scheduled_tokens.append(q)
                 budget -= q
         return budget
+
+    def _passes_recompute_length(self, seq: Sequence) -> bool:
+        """Whether `seq` is about to decode its first token past `recompute_at`: its K/V in the
+        pool were all computed at lengths up to it. (A recompute computes every token at the
+        sequence's full length, and a prompt longer than it is computed so from the start.)"""
+        return (self.recompute_at is not None and _is_decode(seq)
+                and seq.num_tokens == self.recompute_at + 1)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admits waiting sequences in order while sequences, tokens and blocks allow."""

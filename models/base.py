@@ -27,6 +27,10 @@ class ModelConfig(Protocol):
     max_position_embeddings: int  # the longest sequence the model takes, in tokens
     eos_token_ids: tuple[int, ...]
 
+    # A sequence longer than this rotates with other RoPE factors (longrope), so each step
+    # passes `ModelInput.rope_seq_lens`, and a sequence is computed again when it passes it.
+    rope_switch_length: int | None
+
     def attention_spec(self, layer: int) -> AttentionSpec:
         """Layer `layer`'s attention: scale, sliding window, logit soft-cap."""
 
@@ -41,6 +45,9 @@ class ModelInput:
     input_ids: jax.Array  # i32[T] new token ids
     positions: jax.Array  # i32[T] their positions in their sequences
     attention: AttentionMetadata
+    # i32[T], only for configs with a `rope_switch_length` (longrope): the length of each
+    # token's sequence, every token known at this step (the prompt and the output so far).
+    rope_seq_lens: jax.Array | None = None
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_cache: jax.Array,

@@ -8,25 +8,17 @@ error deep inside a jitted step.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, ClassVar
 
 import numpy as np
 
 from jaxpaged.pallas_kernels.backends import AttentionSpec
+# RoPE lives in `models.rope`; RopeScaling and SUPPORTED_ROPE_TYPES are re-exported from here.
+from jaxpaged.models.rope import (SUPPORTED_ROPE_TYPES, RopeScaling, RopeTables, parse_hf_rope,
+                                  rope_tables)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling, as `transformers.modeling_rope_utils` defines it."""
-
-    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
-    factor: float = 1.0
-    low_freq_factor: float = 1.0  # llama3 only
-    high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF `hidden_act` names
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +27,16 @@ class LlamaConfig:
     add to it subclass it (see `models.qwen3`); the engine reads only `base.ModelConfig`."""
 
     ARCHITECTURES: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)  # HF names it reads
+    # The rope types this family's forward applies (`LlamaForCausalLM` rotates with
+    # `rope_tables()` through `models.rope.rope_cos_sin`, which computes them all).
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = SUPPORTED_ROPE_TYPES
+    # How the family's HF config class reads RoPE (see `models.rope.parse_hf_rope`): its
+    # `default_theta`, the rope types it renames (Phi-3: {"su": "longrope", "yarn": "longrope"}),
+    # and config.json keys its class defaults when absent (Phi-3:
+    # {"original_max_position_embeddings": 4096}).
+    DEFAULT_ROPE_THETA: ClassVar[float] = 10000.0
+    ROPE_TYPE_ALIASES: ClassVar[dict[str, str]] = {}
+    HF_ROPE_DEFAULTS: ClassVar[dict[str, Any]] = {}
 
     vocab_size: int  # V
     hidden_size: int  # D
@@ -50,6 +52,20 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # RoPE rotates the first int(head_dim * partial_rotary_factor) features of each head (Phi-3).
+    partial_rotary_factor: float = 1.0
+    # What the families built on this config change (defaults: Llama):
+    hidden_act: str = "silu"  # the MLP's activation, one of SUPPORTED_ACTIVATIONS
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2)
+    sliding_window: int | None = None  # tokens a sliding layer attends to, itself included
+    # Per layer, "full_attention" or "sliding_attention" (HF `layer_types`); None: every layer
+    # slides when `sliding_window` is set (Mistral, Phi-3).
+    layer_types: tuple[str, ...] | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale its ** -0.5 (Gemma)
+    attn_logit_softcapping: float | None = None  # attention logit soft-cap (Gemma 2)
+    final_logit_softcapping: float | None = None  # output logit soft-cap (Gemma 2)
+    # The sliding layers' own RoPE (theta, scaling), when they have one (Gemma 3's local base).
+    local_rope: tuple[float, RopeScaling] | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -62,9 +78,30 @@ class LlamaConfig:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
-        if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope type {self.rope_scaling.rope_type!r} is not supported; "
-                             f"supported: {SUPPORTED_ROPE_TYPES}")
+        rope_type = self.rope_scaling.rope_type
+        if rope_type not in SUPPORTED_ROPE_TYPES or rope_type not in self.ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not supported by {type(self).__name__}; "
+                             f"supported: {self.ROPE_TYPES} (models.rope computes "
+                             f"{SUPPORTED_ROPE_TYPES})")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"config.partial_rotary_factor must be in (0, 1], got "
+                             f"{self.partial_rotary_factor!r}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"rotary dim int(head_dim * partial_rotary_factor) = "
+                             f"{self.rotary_dim} must be even and >= 2")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: "
+                             f"{SUPPORTED_ACTIVATIONS}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"config.sliding_window must be a positive int or null, got "
+                             f"{self.sliding_window!r}")
+        if self.layer_types is not None:
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad or len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"config.layer_types must give one of {LAYER_TYPES} for each "
+                                 f"of the {self.num_hidden_layers} layers, got "
+                                 f"{list(self.layer_types)}")
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
@@ -73,23 +110,24 @@ class LlamaConfig:
         if not any(a in cls.ARCHITECTURES for a in architectures):
             raise ValueError(f"architectures {architectures} are not read by {cls.__name__}, "
                              f"which reads {list(cls.ARCHITECTURES)}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; only 'silu'")
         for flag in ("attention_bias", "mlp_bias"):
             if d.get(flag):
-                raise ValueError(f"{flag}=True is not supported by the Llama definition")
+                raise ValueError(f"{flag}=True is not supported by {cls.__name__}")
         num_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x in `rope_theta` and
-        # `rope_scaling`.
-        rope = dict(d.get("rope_scaling") or {})
-        rope.update(d.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling_fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
-        scaling = RopeScaling(rope_type=rope_type,
-                              **{k: v for k, v in rope.items() if k in scaling_fields})
+        # `rope_scaling` (`models.rope.parse_hf_rope` reads both). Parameters nested by layer
+        # type (transformers 5's Gemma 3) give the full layers' and the sliding layers' own.
+        d_rope = {**cls.HF_ROPE_DEFAULTS, **d}
+        kw = dict(default_theta=cls.DEFAULT_ROPE_THETA, type_aliases=cls.ROPE_TYPE_ALIASES)
+        params = d.get("rope_parameters") or {}
+        nested = "full_attention" in params and isinstance(params["full_attention"], dict)
+        rope = parse_hf_rope(d_rope, layer_type="full_attention" if nested else None, **kw)
+        local = (parse_hf_rope(d_rope, layer_type="sliding_attention", **kw)
+                 if nested and isinstance(params.get("sliding_attention"), dict) else None)
+        layer_types = d.get("layer_types")
+        optional = lambda key: None if d.get(key) is None else float(d[key])
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -100,41 +138,82 @@ class LlamaConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
+            rope_theta=rope.theta,
+            rope_scaling=rope.scaling,
+            partial_rotary_factor=rope.partial_rotary_factor,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=d.get("hidden_act") or "silu",
+            sliding_window=d.get("sliding_window"),
+            layer_types=None if layer_types is None else tuple(layer_types),
+            query_pre_attn_scalar=optional("query_pre_attn_scalar"),
+            attn_logit_softcapping=optional("attn_logit_softcapping"),
+            final_logit_softcapping=optional("final_logit_softcapping"),
+            local_rope=None if local is None else (local.theta, local.scaling),
         )
 
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends to the last `sliding_window` tokens only."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
     def attention_spec(self, layer: int) -> AttentionSpec:
-        """Every Llama layer attends to the whole context, scaled by head_dim ** -0.5."""
-        return AttentionSpec(scale=self.head_dim ** -0.5)
+        """Layer `layer`'s attention: scale head_dim ** -0.5 (or query_pre_attn_scalar ** -0.5),
+        the sliding window on sliding layers, the attention logit soft-cap."""
+        return AttentionSpec(scale=(self.query_pre_attn_scalar or self.head_dim) ** -0.5,
+                             sliding_window=self.sliding_window if self.is_sliding(layer) else None,
+                             soft_cap=self.attn_logit_softcapping)
+
+    def rope_kind(self, layer: int) -> str:
+        """Which RoPE tables `layer` rotates with: "local" (its sliding layers' own base) or
+        "global"."""
+        return "local" if self.local_rope is not None and self.is_sliding(layer) else "global"
+
+    @property
+    def rope_switch_length(self) -> int | None:
+        """longrope's `original_max_position_embeddings`: a sequence longer than this rotates
+        with the long factors, all its tokens (transformers' Phi-3 computes the cache again when
+        a sequence passes it); None for the other types."""
+        if self.rope_scaling.rope_type != "longrope":
+            return None
+        return self.rope_scaling.original_max_position_embeddings
 
     @property
     def num_queries_per_kv(self) -> int:
         """G: query heads sharing one KV head."""
         return self.num_attention_heads // self.num_key_value_heads
 
-    def rope_inv_freq(self) -> np.ndarray:
-        """Inverse RoPE frequencies f32[H // 2] after scaling.
+    @property
+    def rotary_dim(self) -> int:
+        """R: the rotated features of each head, int(head_dim * partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
-        Follows transformers' `ROPE_INIT_FUNCTIONS` ("default", "linear", "llama3"), computed in
-        float32 as HF does, so angles match HF's to the bit.
+    def rope_tables(self, kind: str = "global") -> RopeTables:
+        """RoPE's tables (of `rope_kind` `kind`) for `models.rope.rope_cos_sin`: inverse
+        frequencies f32[R // 2], the attention factor, and for longrope the long frequencies and
+        their threshold."""
+        theta, scaling = ((self.rope_theta, self.rope_scaling) if kind == "global"
+                          else self.local_rope)
+        return rope_tables(self.rotary_dim, theta, scaling, self.max_position_embeddings)
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """Inverse RoPE frequencies f32[R // 2] after scaling (R = H unless partial).
+
+        `rope_tables().inv_freq`: transformers' `ROPE_INIT_FUNCTIONS` computed in float32 as HF
+        does (bit for bit but for the power's last ulp on a few elements; see `models.rope`).
+        Only for types whose cos/sin need nothing else.
+
+        Raises:
+          ValueError: the type also needs an attention factor != 1 or longrope's switch; use
+            `rope_tables()` with `models.rope.rope_cos_sin`.
         """
-        h = self.head_dim
-        inv = 1.0 / (np.float32(self.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / h))
-        s = self.rope_scaling
-        if s.rope_type == "linear":
-            inv = inv / np.float32(s.factor)
-        elif s.rope_type == "llama3":
-            old_len = s.original_max_position_embeddings
-            wavelen = 2 * math.pi / inv
-            scaled = np.where(wavelen > old_len / s.low_freq_factor, inv / s.factor, inv)
-            smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor
-                                                                - s.low_freq_factor)
-            smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-            medium = ((wavelen >= old_len / s.high_freq_factor)
-                      & (wavelen <= old_len / s.low_freq_factor))
-            inv = np.where(medium, smoothed, scaled)
-        return inv.astype(np.float32)
+        tables = self.rope_tables()
+        if tables.is_longrope or tables.attention_factor != 1.0:
+            raise ValueError(
+                f"rope type {self.rope_scaling.rope_type!r} needs more than inverse frequencies "
+                f"(attention factor {tables.attention_factor}"
+                f"{', long/short factors' if tables.is_longrope else ''}); use rope_tables() "
+                "with models.rope.rope_cos_sin")
+        return tables.inv_freq

@@ -2,16 +2,17 @@
 attention over the paged pool, the gated MLP, and a pre-norm decoder layer.
 
 The Llama forms follow `transformers.models.llama.modeling_llama`; options cover the variants
-that families differ by (a per-head RMSNorm on q and k, as Qwen3 has). Projections are stacked
-as vLLM stacks them: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj` (see
-`models.loader`).
+that families differ by: biases on q/k/v (Qwen2), a per-head RMSNorm on q and k (Qwen3, Gemma
+3), Gemma's `(1 + w)` RMSNorm computed in float32 (`Gemma2RMSNorm`), four norms per layer
+(`Gemma2DecoderLayer`), the tanh-approximated GELU (`gelu_pytorch_tanh`), and rotary embeddings
+on part of each head (Phi-3's `partial_rotary_factor`). Projections are stacked as vLLM stacks
+them: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj` (see `models.loader`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxpaged.models.base import ModelInput
@@ -19,35 +20,37 @@ from jaxpaged.pallas_kernels.backends import AttentionBackend, AttentionSpec
 
 
 class RMSNorm(nnx.Module):
-    """`LlamaRMSNorm`: normalizes in float32, scales in the input dtype."""
+    """`LlamaRMSNorm`: normalizes in float32, scales by w in the input dtype. With
+    `unit_offset` (`Gemma2RMSNorm`, `Gemma3RMSNorm`): scales by (1 + w) in float32, w stored
+    as in the checkpoint (0 is the identity)."""
 
-    def __init__(self, dim: int, eps: float, *, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, eps: float, *, dtype, unit_offset: bool = False):
+        self.weight = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((dim,), dtype))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
 
 
-def linear(d_in: int, d_out: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+def linear(d_in: int, d_out: int, dtype, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates x: f[T, heads, H] by angles cos, sin: f32[T, H] (HF `rotate_half` style)."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
+    """Rotates x: f[T, heads, H] by angles cos, sin: f32[T, R] (HF `rotate_half` style) on its
+    first R <= H features (R < H: Phi-3's partial rotary embedding); the rest pass through."""
+    R = cos.shape[-1]
+    x_rot, x_pass = x[..., :R], x[..., R:]
+    x1, x2 = jnp.split(x_rot, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
-
-
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions: i32[T], inv_freq: f32[H // 2] -> cos, sin: f32[T, H] (float32 as HF)."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    out = x_rot * cos + rotated * sin
+    return out if R == x.shape[-1] else jnp.concatenate([out, x_pass], axis=-1)
 
 
 class Attention(nnx.Module):
@@ -56,17 +59,18 @@ class Attention(nnx.Module):
     (weight f[H]) before RoPE (`Qwen3Attention`)."""
 
     def __init__(self, config, *, dtype, backend: AttentionBackend, spec: AttentionSpec,
-                 rngs: nnx.Rngs, qk_norm: bool = False):
+                 rngs: nnx.Rngs, qk_norm: bool = False, unit_offset: bool = False):
         D, N, K, H = (config.hidden_size, config.num_attention_heads,
                       config.num_key_value_heads, config.head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
         self.backend, self.spec = backend, spec
         # HF's q_proj, k_proj and v_proj side by side (see `models.loader`): one matmul
         # instead of three, which XLA's CPU GEMMs run faster at the step's small token counts.
-        self.qkv_proj = linear(D, (N + 2 * K) * H, dtype, rngs)
+        self.qkv_proj = linear(D, (N + 2 * K) * H, dtype, rngs, bias=config.qkv_bias)
         self.o_proj = linear(N * H, D, dtype, rngs)
-        self.q_norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype) if qk_norm else None
-        self.k_norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype) if qk_norm else None
+        norm = lambda: RMSNorm(H, config.rms_norm_eps, dtype=dtype, unit_offset=unit_offset)
+        self.q_norm = norm() if qk_norm else None
+        self.k_norm = norm() if qk_norm else None
 
     def __call__(self, x, cos, sin, kv_cache, layer: int, batch: ModelInput):
         # x: [T, D]; kv_cache: [L, 2, K, P, S, H] the whole pool, this layer's at `layer`.
@@ -82,34 +86,53 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(T, N * H)), kv_cache, new_kv
 
 
+ACTIVATIONS = {  # HF `hidden_act` / `hidden_activation` names
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
 class GatedMLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)), gate and up as one stacked matrix (`LlamaMLP`)."""
+    """down(act(gate(x)) * up(x)), gate and up as one stacked matrix (`LlamaMLP`,
+    `Gemma2MLP`)."""
 
     def __init__(self, config, *, dtype, rngs: nnx.Rngs):
         D, F = config.hidden_size, config.intermediate_size
         self.gate_up_proj = linear(D, 2 * F, dtype, rngs)  # HF's gate_proj, then up_proj
         self.down_proj = linear(F, D, dtype, rngs)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def __call__(self, x):
         gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention and MLP blocks with residuals (`LlamaDecoderLayer`)."""
+    """Pre-norm attention and MLP blocks with residuals (`LlamaDecoderLayer`). With
+    `sandwich_norms` the attention's and the MLP's outputs are normalized too before their
+    residual adds (`Gemma2DecoderLayer`: `post_attention_layernorm` then normalizes the
+    attention output, and `pre_feedforward_layernorm` / `post_feedforward_layernorm` wrap the
+    MLP)."""
 
     def __init__(self, config, *, dtype, backend: AttentionBackend, spec: AttentionSpec,
-                 rngs: nnx.Rngs, qk_norm: bool = False):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+                 rngs: nnx.Rngs, qk_norm: bool = False, unit_offset: bool = False,
+                 sandwich_norms: bool = False):
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
+                               unit_offset=unit_offset)
+        self.input_layernorm = norm()
         self.self_attn = Attention(config, dtype=dtype, backend=backend, spec=spec, rngs=rngs,
-                                   qk_norm=qk_norm)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                dtype=dtype)
+                                   qk_norm=qk_norm, unit_offset=unit_offset)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if sandwich_norms else None
         self.mlp = GatedMLP(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, kv_cache, layer: int, batch: ModelInput):
         attn, kv_cache, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache,
                                                 layer, batch)
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv_cache, new_kv
+        if self.pre_feedforward_layernorm is None:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x)), kv_cache, new_kv
+        x = x + self.post_attention_layernorm(attn)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h), kv_cache, new_kv

@@ -24,7 +24,8 @@ from jaxpaged.models.base import ModelInput
 from jaxpaged.pallas_kernels.backends import AttentionBackend, make_attention_backend
 from jaxpaged.pallas_kernels.reference import write_kv
 from jaxpaged.models.config import LlamaConfig
-from jaxpaged.models.layers import DecoderLayer, RMSNorm, linear, rope_cos_sin
+from jaxpaged.models.layers import DecoderLayer, RMSNorm, linear
+from jaxpaged.models.rope import longrope_use_long, rope_cos_sin
 
 # (HF name, our parameter path, transpose, (part, parts) of a stacked parameter or None)
 LLAMA_NAME_MAP: tuple[tuple[str, str, bool, tuple[int, int] | None], ...] = (
@@ -60,7 +61,11 @@ class LlamaForCausalLM(nnx.Module):
 
     config_class = LlamaConfig
     NAME_MAP = LLAMA_NAME_MAP
-    QK_NORM = False  # a per-head RMSNorm on q and k before RoPE (see `layers.Attention`)
+    # What families built on this class change (see `models.layers`):
+    QK_NORM = False  # a per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
+    UNIT_OFFSET_NORMS = False  # RMSNorms scale by (1 + w) in float32 (Gemma)
+    SANDWICH_NORMS = False  # four norms per layer (Gemma)
+    EMBED_SCALE = False  # embeddings times sqrt(hidden_size) in the weight dtype (Gemma)
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32,
                  attention_backend: AttentionBackend | str = "xla", rngs: nnx.Rngs):
@@ -72,9 +77,11 @@ class LlamaForCausalLM(nnx.Module):
                                       param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([
             DecoderLayer(config, dtype=dtype, backend=attention_backend,
-                         spec=config.attention_spec(i), rngs=rngs, qk_norm=self.QK_NORM)
+                         spec=config.attention_spec(i), rngs=rngs, qk_norm=self.QK_NORM,
+                         unit_offset=self.UNIT_OFFSET_NORMS, sandwich_norms=self.SANDWICH_NORMS)
             for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
+                            unit_offset=self.UNIT_OFFSET_NORMS)
         self.lm_head = (None if config.tie_word_embeddings
                         else linear(config.hidden_size, config.vocab_size, dtype, rngs))
 
@@ -95,13 +102,21 @@ class LlamaForCausalLM(nnx.Module):
         md = batch.attention
         T = batch.input_ids.shape[0]
         x = self.embed_tokens(batch.input_ids)  # [T, D]
-        # Computed once: without the barrier XLA fuses cos/sin into every layer's RoPE and
-        # evaluates them again for each head.
-        cos, sin = jax.lax.optimization_barrier(
-            rope_cos_sin(batch.positions, self.config.rope_inv_freq()))
+        if self.EMBED_SCALE:  # HF rounds the scale to the weight dtype first
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        # Computed once per kind of layer: without the barrier XLA fuses cos/sin into every
+        # layer's RoPE and evaluates them again for each head.
+        ropes = {}
+        for kind in {self.config.rope_kind(i) for i in range(len(self.layers))}:
+            tables = self.config.rope_tables(kind)
+            use_long = (None if batch.rope_seq_lens is None
+                        else longrope_use_long(batch.rope_seq_lens, tables))
+            ropes[kind] = jax.lax.optimization_barrier(
+                rope_cos_sin(batch.positions, tables, use_long))
 
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
+            cos, sin = ropes[self.config.rope_kind(i)]
             x, kv_cache, new_kv = layer(x, cos, sin, kv_cache, i, batch)
             if new_kv is not None:  # else the layer already wrote its K/V (xla, Pallas)
                 new_k.append(new_kv[0])
@@ -115,12 +130,15 @@ class LlamaForCausalLM(nnx.Module):
         return self.compute_logits(self.norm(x[last])), kv_cache  # [S, V]
 
     def compute_logits(self, x: jax.Array) -> jax.Array:
-        """f[..., D] final hidden states -> f32[..., V] logits."""
+        """f[..., D] final hidden states -> f32[..., V] logits, soft-capped when the config
+        says (Gemma 2's `final_logit_softcapping`)."""
         if self.lm_head is None:
             logits = self.embed_tokens.attend(x)
         else:
             logits = self.lm_head(x)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     @staticmethod
     def part_widths(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -128,4 +146,5 @@ class LlamaForCausalLM(nnx.Module):
         N, K, H = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         F = config.intermediate_size
         return {"self_attn.qkv_proj.kernel": (N * H, K * H, K * H),
+                "self_attn.qkv_proj.bias": (N * H, K * H, K * H),
                 "mlp.gate_up_proj.kernel": (F, F)}

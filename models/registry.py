@@ -20,7 +20,12 @@ from jaxpaged.pallas_kernels.backends import AttentionBackend
 # HF architecture name -> (module in jaxpaged.models, class name)
 MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 

@@ -53,9 +53,10 @@ def prefill_logits(model_dir, prompt_ids, block_size=16):
     tables = [list(range(b * blocks_per_row, (b + 1) * blocks_per_row)) for b in range(B)]
     md = backend.build(limits, sum(map(len, prompt_ids)),
                        [(table, 0, len(ids)) for table, ids in zip(tables, prompt_ids)])
+    lens = np.concatenate([np.full(len(p), len(p)) for p in prompt_ids]).astype(np.int32)
     batch = ModelInput(np.concatenate(prompt_ids).astype(np.int32),
                        np.concatenate([np.arange(len(p)) for p in prompt_ids]).astype(np.int32),
-                       md)
+                       md, rope_seq_lens=lens if config.rope_switch_length else None)
     step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1)
     logits, _ = step(params, kv_cache, batch)
     return np.asarray(logits)
