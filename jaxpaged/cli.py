@@ -1,4 +1,5 @@
-"""Command line: `jaxpaged generate`, `jaxpaged chat`, `jaxpaged serve`, `jaxpaged prepare`."""
+"""Command line: `jaxpaged generate`, `jaxpaged chat`, `jaxpaged serve`, `jaxpaged prepare`,
+`jaxpaged import`."""
 
 from __future__ import annotations
 
@@ -70,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     sub.add_parser("prepare", help="import the embedded default model into $JAXPAGED_HOME")
+    imp = sub.add_parser("import", help="import a llama.cpp GGUF file into a Hugging Face folder "
+                         "(config, tokenizer, float32 safetensors) that --model can load")
+    imp.add_argument("gguf", help="the .gguf file (architectures: llama, qwen2, qwen3, gemma2, "
+                     "gemma3, phi3)")
+    imp.add_argument("out", nargs="?", default=None,
+                     help="the folder to write; it must not exist or be empty "
+                     "(default: $JAXPAGED_HOME/models/<file name without .gguf>)")
     return parser
 
 
@@ -85,12 +93,40 @@ def main(argv: list[str] | None = None) -> int:
             from jaxpaged.model_store import ensure_default_model
             print(ensure_default_model())
             return 0
+        if args.command == "import":
+            return _import(args)
         if args.command == "serve":
             return _serve(args)
         return _generate(args)
     except ValueError as e:
         print(f"jaxpaged: error: {e}", file=sys.stderr)
         return 2
+
+
+def _import(args: argparse.Namespace) -> int:
+    """Writes the folder aside and renames it into place, so a failed import leaves nothing."""
+    from pathlib import Path
+
+    from jaxpaged.gguf_import import import_gguf
+    from jaxpaged.model_store import jaxpaged_home
+
+    src = Path(args.gguf).expanduser()
+    if not src.is_file():
+        raise ValueError(f"{args.gguf!r} is not a file")
+    name = src.name[:-len(".gguf")] if src.name.endswith(".gguf") else src.name
+    out = Path(args.out).expanduser() if args.out else jaxpaged_home() / "models" / name
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{str(out)!r} exists and is not an empty folder")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    try:
+        import_gguf(src, tmp)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(out)
+    return 0
 
 
 def _build_llm(args: argparse.Namespace):
