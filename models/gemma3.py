@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from jaxpaged.models.config import LlamaConfig, RopeScaling
 from jaxpaged.models.gemma2 import GEMMA_NAME_MAP, _gemma_fields
-from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.models.llama import QK_NORM_NAME_MAP, LlamaForCausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +33,7 @@ class Gemma3Config(LlamaConfig):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     config_class = Gemma3Config
-    NAME_MAP = GEMMA_NAME_MAP + tuple(
-        (f"model.layers.{{i}}.self_attn.{n}.weight", f"layers.{{i}}.self_attn.{n}.weight", False,
-         None) for n in ("q_norm", "k_norm"))
+    NAME_MAP = GEMMA_NAME_MAP + QK_NORM_NAME_MAP
     QK_NORM = True
     UNIT_OFFSET_NORMS = True
     SANDWICH_NORMS = True

@@ -50,6 +50,12 @@ LLAMA_NAME_MAP: tuple[tuple[str, str, bool, tuple[int, int] | None], ...] = (
 )
 
 
+# The per-head q/k RMSNorms of the families that have them (`QK_NORM`).
+QK_NORM_NAME_MAP = tuple(
+    (f"model.layers.{{i}}.self_attn.{n}.weight", f"layers.{{i}}.self_attn.{n}.weight", False, None)
+    for n in ("q_norm", "k_norm"))
+
+
 class LlamaForCausalLM(nnx.Module):
     """The model; `__call__(kv_cache, batch) -> (logits, kv_cache)` is one engine step.
 

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from jaxpaged.models.config import LlamaConfig
-from jaxpaged.models.llama import LLAMA_NAME_MAP, LlamaForCausalLM
+from jaxpaged.models.llama import LLAMA_NAME_MAP, QK_NORM_NAME_MAP, LlamaForCausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,5 @@ class Qwen3Config(LlamaConfig):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     config_class = Qwen3Config
-    NAME_MAP = LLAMA_NAME_MAP + tuple(
-        (f"model.layers.{{i}}.self_attn.{n}.weight", f"layers.{{i}}.self_attn.{n}.weight", False,
-         None) for n in ("q_norm", "k_norm"))
+    NAME_MAP = LLAMA_NAME_MAP + QK_NORM_NAME_MAP
     QK_NORM = True
