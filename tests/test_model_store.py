@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxpaged.model_store import DEFAULT_MODEL, _find_gguf, resolve_model
+from jaxpaged.model_store import DEFAULT_MODEL, EMBEDDED_MODELS, resolve_model
 
 
 def test_default_model_folder_is_a_standard_hf_folder(default_model_dir):
@@ -27,7 +27,7 @@ def test_imported_weights_equal_transformers_gguf_loader(default_model_dir):
     import torch
     from transformers import LlamaForCausalLM
 
-    gguf = _find_gguf()
+    gguf = EMBEDDED_MODELS[DEFAULT_MODEL].find_gguf()
     reference = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.float32).state_dict()
     ours = load_file(default_model_dir / "model.safetensors")
@@ -44,7 +44,7 @@ TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnewlines", "Yapay zeka ge
 def test_tokenizer_encodes_like_transformers_gguf_conversion(default_model_dir):
     from transformers import AutoTokenizer
 
-    gguf = _find_gguf()
+    gguf = EMBEDDED_MODELS[DEFAULT_MODEL].find_gguf()
     reference = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     ours = AutoTokenizer.from_pretrained(default_model_dir)
     for text in TEXTS:
