@@ -46,6 +46,12 @@ def test_greedy_ids_equal_transformers(gemma_dir):
 
 
 def test_chat_template_and_end_of_turn(gemma_dir):
+    # LLM.chat and the server's chat completions apply the same template and stop at the end
+    # of the model's turn.
+    import httpx
+
+    from server_utils import ServerThread
+
     llm = LLM(gemma_dir, max_model_len=512, num_kv_blocks=64, precompile=False)
     tokenizer = llm.get_tokenizer()
     messages = [{"role": "system", "content": "Answer in one word."},
@@ -57,3 +63,10 @@ def test_chat_template_and_end_of_turn(gemma_dir):
     end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     assert end_of_turn in llm.llm_engine.eos_token_ids
     assert out.outputs[0].text.strip()
+    with ServerThread(llm, "google/gemma-3-270m") as server:
+        body = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json=dict(
+            model="google/gemma-3-270m", messages=messages, temperature=0,
+            max_tokens=32)).json()
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == out.outputs[0].text
+    assert choice["finish_reason"] == out.outputs[0].finish_reason
