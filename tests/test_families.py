@@ -86,11 +86,25 @@ def family(request, tmp_path_factory, tiny_model_dir):
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 
 
-def test_one_shot_prefill_and_logits(make_llm, family):
-    name, path, model, ids, want = family
-    llm = make_llm(path, max_model_len=128)
+@pytest.mark.parametrize("backend", ["cpu", "xla", "pallas-interpret"])
+def test_one_shot_prefill(make_llm, family, backend):
+    # Every prompt in one step (a 2,048-token budget, a roomy pool, no prefix shared first).
+    from jaxpaged.pallas_kernels import cpu_attention
+
+    if backend == "cpu" and not cpu_attention.available():
+        pytest.skip("no C++ compiler")
+    name, path, _, ids, want = family
+    llm = make_llm(path, max_model_len=128, enable_prefix_caching=False,
+                   attention_backend=backend)
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.outputs[0].token_ids for o in outs] == want, name
+    # longrope recomputes (as a preemption) the prompts that decode past its original length
+    crossing = sum(len(p) <= 32 < len(p) + MAX_NEW_TOKENS - 1 for p in ids)
+    assert llm.stats()["num_preemptions"] == (crossing if name == "phi3-longrope" else 0)
+
+
+def test_last_token_logits(family):
+    name, path, model, ids, _ = family
     ours = prefill_logits(path, ids)
     for b, p in enumerate(ids):
         with torch.no_grad():
