@@ -104,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    """Writes the folder aside and renames it into place, so a failed import leaves nothing."""
+    """Imports into a new folder (`model_store.write_aside`), so a failed import leaves nothing."""
     from pathlib import Path
 
     from jaxpaged.gguf_import import import_gguf
-    from jaxpaged.model_store import jaxpaged_home
+    from jaxpaged.model_store import jaxpaged_home, write_aside
 
     src = Path(args.gguf).expanduser()
     if not src.is_file():
@@ -117,14 +117,7 @@ def _import(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser() if args.out else jaxpaged_home() / "models" / name
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{str(out)!r} exists and is not an empty folder")
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    try:
-        import_gguf(src, tmp)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_aside(out, lambda folder: import_gguf(src, folder))
     print(out)
     return 0
 

@@ -150,18 +150,29 @@ def import_gguf(gguf_path: Path, target: Path,
     for stale in target.parent.glob(f"{target.name}.tmp-*"):
         if not _pid_alive(int(stale.name.rsplit("-", 1)[1])):
             shutil.rmtree(stale, ignore_errors=True)
+
+    def write(folder: Path) -> None:
+        gguf_import.import_gguf(gguf_path, folder)
+        _complete(folder, spec)
+
+    write_aside(target, write)
+    print(f"jaxpaged: {spec.name} ready at {target}", flush=True)
+
+
+def write_aside(target: Path, write: Callable[[Path], None]) -> None:
+    """Runs `write` on a new folder beside `target` (`<name>.tmp-<pid>`), then renames it to
+    `target`, so an interrupted write leaves no half folder. An empty `target` is replaced; a
+    full one (another process finished first) is kept and the new folder dropped."""
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
     try:
-        gguf_import.import_gguf(gguf_path, tmp)
-        _complete(tmp, spec)
-        if target.exists():  # another process finished first
-            shutil.rmtree(tmp)
-        else:
+        write(tmp)
+        if target.is_dir() and not any(target.iterdir()):
+            target.rmdir()
+        if not target.exists():
             os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"jaxpaged: {spec.name} ready at {target}", flush=True)
 
 
 def _complete(folder: Path, spec: EmbeddedModel) -> None:
