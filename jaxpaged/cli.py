@@ -37,6 +37,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "cpu", "pallas", "pallas-interpret", "xla"])
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the sampling of requests that give no seed")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices to split the model over (tensor parallelism)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -133,7 +135,7 @@ def _build_llm(args: argparse.Namespace):
                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                enable_prefix_caching=args.enable_prefix_caching,
                attention_backend=args.attention_backend, seed=args.seed,
-               precompile=args.precompile)
+               precompile=args.precompile, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -43,6 +43,11 @@ class LLM:
         no C++ compiler is found), "cpu", "pallas", "pallas-interpret" (the kernels under the
         Pallas interpreter, for tests) or "xla" (pure jnp).
       seed: seeds the per-request seeds of requests that set none.
+      tensor_parallel_size: devices to split the model over (tensor parallelism on a
+        `jax.sharding.Mesh` of the first that many of `jax.devices()`): query heads, the MLP's
+        hidden units and the vocabulary are split evenly, the KV pool by KV head (repeated
+        when there are fewer KV heads than devices). `kv_cache_memory_bytes` is then the
+        pool's total over all devices.
       precompile: True (the default) compiles the model step for every shape the limits
         above allow, at startup (with a progress bar), so that serving compiles nothing new:
         one shape per token bucket of a packed step, about 20 under the default limits (twice
@@ -61,7 +66,7 @@ class LLM:
                  max_num_partial_prefills: int = 1, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 seed: int = 0, precompile: bool = True):
+                 seed: int = 0, precompile: bool = True, tensor_parallel_size: int = 1):
         model_dir = resolve_model(model)
         cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -73,7 +78,8 @@ class LLM:
                                     max_num_partial_prefills=max_num_partial_prefills,
                                     cache_config=cache_config,
                                     attention_backend=attention_backend, seed=seed,
-                                    precompile=precompile)
+                                    precompile=precompile,
+                                    tensor_parallel_size=tensor_parallel_size)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

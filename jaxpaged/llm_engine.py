@@ -23,6 +23,7 @@ from jaxpaged.input_processor import InputProcessor
 from jaxpaged.model_runner import ModelRunner, num_kv_blocks
 from jaxpaged.models import load_config, load_model
 from jaxpaged.outputs import Logprob, RequestMetrics, RequestOutput
+from jaxpaged.parallel import make_mesh
 from jaxpaged.request import Request, new_stop_state
 from jaxpaged.pallas_kernels import make_attention_backend
 from jaxpaged.sampling_params import SamplingParams
@@ -56,12 +57,14 @@ class LLMEngine:
                  long_prefill_token_threshold: int | None = None,
                  max_num_partial_prefills: int = 1,
                  cache_config: CacheConfig = CacheConfig(), attention_backend: str = "auto",
-                 seed: int = 0, precompile: bool = True):
+                 seed: int = 0, precompile: bool = True, tensor_parallel_size: int = 1):
         if not isinstance(precompile, bool):
             raise ValueError(f"precompile must be True or False, got {precompile!r}")
-        self.model_config = load_config(model_dir)
+        # Tensor parallelism: the model and the pool split over a mesh (`jaxpaged.parallel`).
+        self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
+        self.model_config = load_config(model_dir).for_tensor_parallel(tensor_parallel_size)
         self.dtype = resolve_dtype(dtype)
-        backend = make_attention_backend(attention_backend, self.dtype)
+        backend = make_attention_backend(attention_backend, self.dtype, self.mesh)
         self.attention_backend = backend.name
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len or self.model_config.max_position_embeddings,
@@ -88,7 +91,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(model_dir)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
-        model = load_model(model_dir, self.model_config, self.dtype, backend)
+        model = load_model(model_dir, self.model_config, self.dtype, backend, self.mesh)
         self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
                                   self.eos_token_ids, self.scheduler_config.max_num_seqs,
                                   self.scheduler_config.max_model_len)

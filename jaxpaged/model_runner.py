@@ -19,13 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxpaged import sampler
 from jaxpaged.buckets import bucket, buckets_upto, next_power_of_2, pow2s
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import ModelConfig, ModelInput, forward
-from jaxpaged.pallas_kernels import StepLimits, copy_blocks
+from jaxpaged.pallas_kernels import KV_CACHE_SPEC, StepLimits, copy_blocks
 from jaxpaged.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence, completion_seed
@@ -72,14 +73,30 @@ class ModelRunner:
                                  max_seq_slots=bucket(max_num_seqs),
                                  max_blocks_per_seq=-(-self.max_model_len // self.block_size))
         graphdef, self.params = nnx.split(model)
-        self.kv_cache = jnp.zeros(kv_cache_shape(self.config, num_blocks, self.block_size), dtype)
-        self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
-                             static_argnames=("all_positions",))
+        shape = kv_cache_shape(self.config, num_blocks, self.block_size)
+        self.mesh = self.backend.mesh  # tensor parallelism's, or None: one device
+        if self.mesh is None:
+            self.kv_cache = jnp.zeros(shape, dtype)
+            self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
+                                 static_argnums=3)
+            self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
+        else:
+            # Explicit shardings: params as the loader laid them out, the pool by KV head, the
+            # step's metadata in and the logits out replicated (the sampler runs on every
+            # device, so each process has the sampled tokens).
+            pool = NamedSharding(self.mesh, KV_CACHE_SPEC)
+            self.replicated = NamedSharding(self.mesh, P())
+            self.kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)()
+            params = jax.tree.map(lambda x: x.sharding, self.params)
+            self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
+                                 static_argnums=3,
+                                 in_shardings=(params, pool, self.replicated),
+                                 out_shardings=(self.replicated, pool))
+            self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0, out_shardings=pool)
         # Executables compiled ahead of time by `precompile`, by `_shape_key`: jax.jit does not
         # reuse what `.lower().compile()` built, and filling its cache by calling the step on
         # padding inputs would run every shape, seconds each for the largest on CPU.
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
-        self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
         # Test-only: called with each `SchedulerOutput` at the start of `execute`; a hook that
         # raises stands for a fault in the step (tests of the engine's fault isolation).
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
@@ -102,8 +119,7 @@ class ModelRunner:
         if compiled is not None:
             logits, self.kv_cache = compiled(self.params, self.kv_cache, batch)
         else:
-            logits, self.kv_cache = self._step(self.params, self.kv_cache, batch,
-                                               all_positions=all_positions)
+            logits, self.kv_cache = self._step(self.params, self.kv_cache, batch, all_positions)
         return logits
 
     def step_shapes(self, max_num_batched_tokens: int) -> list[tuple[int, bool]]:
@@ -125,14 +141,14 @@ class ModelRunner:
             key = self._shape_key(batch, False)
             if key in self._compiled:
                 continue
-            compiled = self._step.lower(self.params, self.kv_cache, batch,
-                                        all_positions=False).compile()
+            compiled = self._step.lower(self.params, self.kv_cache, batch, False).compile()
             self._compiled[key] = compiled
             if T <= WARM_UP_TOKENS:
                 # Runs while the next shape compiles (dispatch is asynchronous).
                 _, self.kv_cache = compiled(self.params, self.kv_cache, batch)
         # `prepare_sampling` pads the sample count to a power of two.
-        sampler.precompile(self.config.vocab_size, pow2s(1, next_power_of_2(self.max_num_seqs)))
+        sampler.precompile(self.config.vocab_size, pow2s(1, next_power_of_2(self.max_num_seqs)),
+                           None if self.mesh is None else self.replicated)
         jax.block_until_ready(self.kv_cache)
 
     def _padding_batch(self, T: int, decode_only: bool = False) -> ModelInput:

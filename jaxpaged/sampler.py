@@ -32,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpaged.buckets import next_power_of_2
 
@@ -278,16 +279,19 @@ def gather_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
     return logits[rows]
 
 
-def precompile(vocab_size: int, sample_counts: list[int]) -> None:
+def precompile(vocab_size: int, sample_counts: list[int],
+               sharding: jax.sharding.Sharding | None = None) -> None:
     """Compiles the greedy and the temperature-only variants (no top-k, top-p or min-p, the
     default `SamplingParams`) for each padded sample count R in `sample_counts`, so that the
-    first such request of each size compiles nothing. Two threads: XLA compiles outside the
-    GIL."""
+    first such request of each size compiles nothing; for logits laid out as `sharding` (None:
+    on the default device). Two threads: XLA compiles outside the GIL."""
     def run(R: int, all_greedy: bool) -> None:
-        zeros = jnp.zeros((R,), jnp.int32)
-        md = SamplingMetadata(temperature=jnp.ones((R,)), top_k=zeros, top_p=jnp.ones((R,)),
-                              seeds=jnp.zeros((R, 2), jnp.uint32), output_index=zeros)
-        jax.block_until_ready(sample_jit(jnp.zeros((R, vocab_size)), md,
+        zeros = np.zeros((R,), np.int32)
+        md = SamplingMetadata(temperature=np.ones((R,), np.float32), top_k=zeros,
+                              top_p=np.ones((R,), np.float32),
+                              seeds=np.zeros((R, 2), np.uint32), output_index=zeros)
+        logits = jax.device_put(np.zeros((R, vocab_size), np.float32), sharding)
+        jax.block_until_ready(sample_jit(logits, md,
                                          all_greedy=all_greedy, num_logprobs=0))
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:

@@ -31,6 +31,11 @@ class ModelConfig(Protocol):
     # passes `ModelInput.rope_seq_lens`, and a sequence is computed again when it passes it.
     rope_switch_length: int | None
 
+    tensor_parallel_size: int  # devices the model is split over (heads, MLP, vocabulary)
+
+    def for_tensor_parallel(self, tp: int) -> "ModelConfig":
+        """The config split over tp devices (KV heads repeated where fewer than tp)."""
+
     def attention_spec(self, layer: int) -> AttentionSpec:
         """Layer `layer`'s attention: scale, sliding window, logit soft-cap."""
 

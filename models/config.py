@@ -66,6 +66,11 @@ class LlamaConfig:
     final_logit_softcapping: float | None = None  # output logit soft-cap (Gemma 2)
     # The sliding layers' own RoPE (theta, scaling), when they have one (Gemma 3's local base).
     local_rope: tuple[float, RopeScaling] | None = None
+    # How the model is split over devices, not read from config.json (`for_tensor_parallel`):
+    tensor_parallel_size: int = 1  # tp: devices on the mesh's "model" axis
+    # Copies of each checkpoint KV head: num_key_value_heads is the checkpoint's times this
+    # (> 1 where tp exceeds the checkpoint's KV heads).
+    kv_head_replicas: int = 1
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -152,6 +157,35 @@ class LlamaConfig:
             final_logit_softcapping=optional("final_logit_softcapping"),
             local_rope=None if local is None else (local.theta, local.scaling),
         )
+
+    def for_tensor_parallel(self, tp: int) -> "LlamaConfig":
+        """This config split over tp devices: heads, the MLP's hidden units and the vocabulary
+        in tp equal parts (`models.layers`). Where tp exceeds the KV heads K, each KV head is
+        repeated tp / K times (tpu-inference does the same), so every device holds one: the
+        KV pool and the k/v projections then cost tp / K times their memory, and each device
+        reads only its own copy.
+
+        Raises:
+          ValueError: tp does not divide the query heads, the MLP's hidden units or the
+            vocabulary, or neither tp nor K divides the other (named).
+        """
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("the config is already split for tensor parallelism")
+        N, K = self.num_attention_heads, self.num_key_value_heads
+        for name, value in (("num_attention_heads", N), ("intermediate_size",
+                            self.intermediate_size), ("vocab_size", self.vocab_size)):
+            if value % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "
+                                 f"{name}={value}")
+        if K % tp and tp % K:
+            raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={K}: one must "
+                             "divide the other (KV heads are split, or repeated to one per "
+                             "device)")
+        replicas = max(1, tp // K)
+        return dataclasses.replace(self, num_key_value_heads=K * replicas, tensor_parallel_size=tp,
+                                   kv_head_replicas=replicas)
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends to the last `sliding_window` tokens only."""

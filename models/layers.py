@@ -7,6 +7,15 @@ that families differ by: biases on q/k/v (Qwen2), a per-head RMSNorm on q and k 
 (`Gemma2DecoderLayer`), the tanh-approximated GELU (`gelu_pytorch_tanh`), and rotary embeddings
 on part of each head (Phi-3's `partial_rotary_factor`). Projections are stacked as vLLM stacks
 them: q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj` (see `models.loader`).
+
+Tensor parallelism (Megatron-LM's split, as tpu-inference and JetStream declare it): each
+parameter carries its partition spec over the mesh axis "model" (`nnx.with_partitioning`):
+q/k/v and gate/up are column-parallel (`COLUMN`, split on their output axis), o and down
+row-parallel (`ROW`, split on their input axis), so each layer's attention and MLP end in one
+all-reduce each; norms are replicated. A stacked parameter holds its parts shard by shard: with
+`tensor_parallel_size` tp, its output axis is tp blocks, block s being part 0's s-th slice, then
+part 1's, ... (the loader writes it so), so that each device's block is a whole `qkv_proj` of its
+own heads. With tp = 1 that is the plain concatenation.
 """
 
 from __future__ import annotations
@@ -16,7 +25,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.models.base import ModelInput
-from jaxpaged.pallas_kernels.backends import AttentionBackend, AttentionSpec
+from jaxpaged.pallas_kernels.backends import MODEL_AXIS, AttentionBackend, AttentionSpec
+
+COLUMN = (None, MODEL_AXIS)  # f[in, out] split on out
+ROW = (MODEL_AXIS, None)  # f[in, out] split on in
 
 
 class RMSNorm(nnx.Module):
@@ -37,8 +49,13 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x32.astype(x.dtype)
 
 
-def linear(d_in: int, d_out: int, dtype, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+def linear(d_in: int, d_out: int, dtype, rngs: nnx.Rngs, bias: bool = False,
+           partition: tuple = (None, None)) -> nnx.Linear:
+    """An `nnx.Linear` kernel f[d_in, d_out] (and bias f[d_out]) with its partition spec."""
+    return nnx.Linear(
+        d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+        kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), partition),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), partition[1:]))
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -63,11 +80,13 @@ class Attention(nnx.Module):
         D, N, K, H = (config.hidden_size, config.num_attention_heads,
                       config.num_key_value_heads, config.head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+        self.tp = config.tensor_parallel_size
         self.backend, self.spec = backend, spec
         # HF's q_proj, k_proj and v_proj side by side (see `models.loader`): one matmul
         # instead of three, which XLA's CPU GEMMs run faster at the step's small token counts.
-        self.qkv_proj = linear(D, (N + 2 * K) * H, dtype, rngs, bias=config.qkv_bias)
-        self.o_proj = linear(N * H, D, dtype, rngs)
+        self.qkv_proj = linear(D, (N + 2 * K) * H, dtype, rngs, bias=config.qkv_bias,
+                               partition=COLUMN)
+        self.o_proj = linear(N * H, D, dtype, rngs, partition=ROW)
         norm = lambda: RMSNorm(H, config.rms_norm_eps, dtype=dtype, unit_offset=unit_offset)
         self.q_norm = norm() if qk_norm else None
         self.k_norm = norm() if qk_norm else None
@@ -76,13 +95,15 @@ class Attention(nnx.Module):
         # x: [T, D]; kv_cache: [L, 2, K, P, S, H] the whole pool, this layer's at `layer`.
         T, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = jnp.split(self.qkv_proj(x), [N * H, (N + K) * H], axis=-1)
-        q, k = q.reshape(T, N, H), k.reshape(T, K, H)
+        Ns, Ks = N // self.tp, K // self.tp  # heads per shard
+        qkv = self.qkv_proj(x).reshape(T, self.tp, (Ns + 2 * Ks) * H)  # by shard (module doc)
+        q, k, v = jnp.split(qkv, [Ns * H, (Ns + Ks) * H], axis=-1)
+        q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache, new_kv = self.backend.attention(
-            q, k, v.reshape(T, K, H), kv_cache, layer, batch.attention, self.spec)
+            q, k, v, kv_cache, layer, batch.attention, self.spec)
         return self.o_proj(out.reshape(T, N * H)), kv_cache, new_kv
 
 
@@ -98,13 +119,16 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, config, *, dtype, rngs: nnx.Rngs):
         D, F = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = linear(D, 2 * F, dtype, rngs)  # HF's gate_proj, then up_proj
-        self.down_proj = linear(F, D, dtype, rngs)
+        # HF's gate_proj, then up_proj, by shard (module doc)
+        self.gate_up_proj = linear(D, 2 * F, dtype, rngs, partition=COLUMN)
+        self.down_proj = linear(F, D, dtype, rngs, partition=ROW)
         self.act = ACTIVATIONS[config.hidden_act]
+        self.tp = config.tensor_parallel_size
 
     def __call__(self, x):
-        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        gate, up = jnp.split(gate_up.reshape(*x.shape[:-1], self.tp, -1), 2, axis=-1)
+        return self.down_proj((self.act(gate) * up).reshape(gate_up.shape[:-1] + (-1,)))
 
 
 class DecoderLayer(nnx.Module):

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.models.base import ModelInput
-from jaxpaged.pallas_kernels.backends import AttentionBackend, make_attention_backend
-from jaxpaged.pallas_kernels.reference import write_kv
+from jaxpaged.pallas_kernels.backends import (MODEL_AXIS, AttentionBackend,
+                                              make_attention_backend)
 from jaxpaged.models.config import LlamaConfig
-from jaxpaged.models.layers import DecoderLayer, RMSNorm, linear
+from jaxpaged.models.layers import COLUMN, DecoderLayer, RMSNorm, linear
 from jaxpaged.models.rope import longrope_use_long, rope_cos_sin
 
 # (HF name, our parameter path, transpose, (part, parts) of a stacked parameter or None)
@@ -72,6 +72,9 @@ class LlamaForCausalLM(nnx.Module):
     UNIT_OFFSET_NORMS = False  # RMSNorms scale by (1 + w) in float32 (Gemma)
     SANDWICH_NORMS = False  # four norms per layer (Gemma)
     EMBED_SCALE = False  # embeddings times sqrt(hidden_size) in the weight dtype (Gemma)
+    # The parts of stacked parameters that hold KV heads (repeated under tensor parallelism
+    # when there are fewer KV heads than devices; see `LlamaConfig.for_tensor_parallel`).
+    KV_HEAD_PARTS = {"self_attn.qkv_proj.kernel": (1, 2), "self_attn.qkv_proj.bias": (1, 2)}
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32,
                  attention_backend: AttentionBackend | str = "xla", rngs: nnx.Rngs):
@@ -79,17 +82,27 @@ class LlamaForCausalLM(nnx.Module):
         if isinstance(attention_backend, str):
             attention_backend = make_attention_backend(attention_backend, dtype)
         self.backend = attention_backend
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
-                                      param_dtype=dtype, rngs=rngs)
+        # Parameters carry their partition specs (`models.layers`); the loader places each
+        # shard on its device, so nothing is sharded while the model is built.
+        with nnx.use_eager_sharding(False):
+            self._build(config, dtype, rngs)
+
+    def _build(self, config: LlamaConfig, dtype, rngs: nnx.Rngs) -> None:
+        # Vocabulary-parallel: the embedding f[V, D] and the LM head f[D, V] split on V.
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs,
+            embedding_init=nnx.with_partitioning(nnx.initializers.variance_scaling(
+                1.0, "fan_in", "normal", out_axis=0), (MODEL_AXIS, None)))
         self.layers = nnx.List([
-            DecoderLayer(config, dtype=dtype, backend=attention_backend,
+            DecoderLayer(config, dtype=dtype, backend=self.backend,
                          spec=config.attention_spec(i), rngs=rngs, qk_norm=self.QK_NORM,
                          unit_offset=self.UNIT_OFFSET_NORMS, sandwich_norms=self.SANDWICH_NORMS)
             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
                             unit_offset=self.UNIT_OFFSET_NORMS)
         self.lm_head = (None if config.tie_word_embeddings
-                        else linear(config.hidden_size, config.vocab_size, dtype, rngs))
+                        else linear(config.hidden_size, config.vocab_size, dtype, rngs,
+                                    partition=COLUMN))
 
     def __call__(self, kv_cache: jax.Array, batch: ModelInput,
                  all_positions: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -128,7 +141,7 @@ class LlamaForCausalLM(nnx.Module):
                 new_k.append(new_kv[0])
                 new_v.append(new_kv[1])
         if new_k:  # every layer's new K/V, f[L, T, K, H], in one scatter
-            kv_cache = write_kv(kv_cache, jnp.stack(new_k), jnp.stack(new_v), md.slot_mapping)
+            kv_cache = self.backend.write_all_kv(kv_cache, jnp.stack(new_k), jnp.stack(new_v), md)
 
         if all_positions:
             return self.compute_logits(self.norm(x)), kv_cache
@@ -148,8 +161,10 @@ class LlamaForCausalLM(nnx.Module):
 
     @staticmethod
     def part_widths(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-        """Output width of each part of the stacked parameters, by path below `layers.{i}`."""
-        N, K, H = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        """Output width of each part of the stacked parameters in the checkpoint, by path below
+        `layers.{i}` (KV parts with the checkpoint's KV heads, before any repeat)."""
+        N, H = config.num_attention_heads, config.head_dim
+        K = config.num_key_value_heads // config.kv_head_replicas
         F = config.intermediate_size
         return {"self_attn.qkv_proj.kernel": (N * H, K * H, K * H),
                 "self_attn.qkv_proj.bias": (N * H, K * H, K * H),

@@ -1,16 +1,27 @@
-"""Loads Hugging Face safetensors checkpoints into the NNX models, by each family's declarative
-name map (`NAME_MAP` on the model class).
+"""Loads checkpoints into the NNX models, by each family's declarative name map (`NAME_MAP` on
+the model class), each device reading only its own shard.
 
 Each entry maps a HF parameter name (with `{i}` standing for the layer index) to the path of our
 parameter, says whether the matrix is transposed (HF `nn.Linear.weight` is `[out, in]`, NNX
 `Linear.kernel` is `[in, out]`), and which part of a stacked parameter it is: q, k and v go side
 by side along the output axis of one `qkv_proj`, gate and up of one `gate_up_proj` (vLLM's
-`stacked_params_mapping`). Loading fails if a checkpoint key is left unused, a parameter (or
-part) is left unfilled, or a shape differs.
+`stacked_params_mapping`). A HF tensor that is already stacked (Phi-3's `qkv_proj`) is read as
+its parts. Loading fails if a checkpoint key is left unused, a parameter (or part) is left
+unfilled, or a shape differs.
+
+Loading goes in two steps. First every *piece* (a whole parameter, or one part of a stacked
+one, in our orientation) becomes a `jax.Array` laid out by the parameter's partition spec
+(`models.layers`): each device gets its slice, read from the file (safetensors' `get_slice`)
+or restored by orbax (`jaxpaged.checkpoint`); a per-KV-head part that tensor parallelism
+repeats (`LlamaConfig.for_tensor_parallel`) is replicated, being small. Then one jitted
+`shard_map` assembles each device's parameters from its pieces with no communication: stacked
+parts side by side shard by shard, each device's copy of its KV head sliced out.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 from pathlib import Path
 
@@ -18,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
-from jaxpaged.pallas_kernels.backends import AttentionBackend
+from jaxpaged.pallas_kernels.backends import DATA_AXIS, MODEL_AXIS, AttentionBackend
 
 
 # Keys some checkpoints carry that the model does not use (precomputed RoPE buffers).
@@ -34,15 +46,19 @@ def _compile(name_map):
 
 def read_safetensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     """All tensors of `model_dir/*.safetensors` as NumPy arrays, by HF name."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{str(model_dir)!r} has no *.safetensors weights")
     tensors = {}
-    for path in files:
+    for path in _safetensors_files(model_dir):
         with safe_open(path, framework="numpy") as f:
             for key in f.keys():
                 tensors[key] = f.get_tensor(key)
     return tensors
+
+
+def _safetensors_files(model_dir: str | Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{str(model_dir)!r} has no *.safetensors weights")
+    return files
 
 
 def _param_paths(state: nnx.State) -> list[str]:
@@ -51,33 +67,103 @@ def _param_paths(state: nnx.State) -> list[str]:
             for path, _ in leaves]
 
 
-def load_weights(model_cls: type[nnx.Module], model_dir: str | Path, config, dtype,
-                 attention_backend: AttentionBackend | str = "xla") -> nnx.Module:
-    """Builds a `model_cls` (a registered family) with weights from `model_dir`, cast to `dtype`,
-    by the class's `NAME_MAP` and `part_widths(config)`.
+def single_device_mesh() -> Mesh:
+    """The mesh of one device (the default device) with the same axes as a TP mesh."""
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), (DATA_AXIS, MODEL_AXIS))
 
-    `attention_backend` is a backend object or one of
-    `pallas_kernels.backends.ATTENTION_BACKENDS`.
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A parameter, or one part of a stacked parameter, as the model holds it."""
+
+    path: str  # our parameter's path
+    part: int | None  # its part (None: the whole parameter)
+    shape: tuple[int, ...]  # in our orientation; for a repeated KV part, the checkpoint's heads
+    spec: P  # how it is laid out over the mesh
+    hf_name: str | None  # its HF name in the name map (None: a part stacked in the file too)
+    # A KV part tensor parallelism repeats (`LlamaConfig.for_tensor_parallel`): replicated
+    # whole, each device then slices out its head.
+    repeated: bool = False
+
+    @property
+    def key(self) -> str:
+        """Its name: the path, with `#j` for part j (an orbax checkpoint's key)."""
+        return self.path if self.part is None else f"{self.path}#{self.part}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a safetensors checkpoint holds a piece."""
+
+    key: str  # the tensor's name
+    transpose: bool  # the file holds the piece transposed
+    offset: int  # first output column in the tensor (a part of a tensor stacked in the file)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """The model's pieces and where each goes (`plan_load`)."""
+
+    graphdef: nnx.GraphDef
+    abstract_state: nnx.State
+    params: dict[str, tuple[tuple[int, ...], P, tuple[Piece, ...]]]  # path -> shape, spec, pieces
+
+    @property
+    def pieces(self) -> list[Piece]:
+        return [piece for _, _, pieces in self.params.values() for piece in pieces]
+
+
+def plan_load(model_cls: type[nnx.Module], config,
+              attention_backend: AttentionBackend | str = "xla", dtype=jnp.float32) -> LoadPlan:
+    """The pieces of a `model_cls` for `config`: each parameter, or each part of a stacked one
+    (widths from `part_widths(config)`), with its partition spec."""
+    abstract = nnx.eval_shape(lambda: model_cls(
+        config, dtype=dtype, attention_backend=attention_backend, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    paths = _param_paths(abstract_state)
+    leaves = jax.tree_util.tree_leaves(abstract_state)
+    specs = jax.tree_util.tree_leaves(nnx.get_partition_spec(abstract_state),
+                                      is_leaf=lambda x: isinstance(x, P))
+    parts_of: dict[str, list[str]] = {}  # stacked parameter -> its parts' HF names, in order
+    for hf, ours, _, part in model_cls.NAME_MAP:
+        if part:
+            parts_of.setdefault(ours, [""] * part[1])[part[0]] = hf
+    widths = model_cls.part_widths(config)
+    params = {}
+    for path, leaf, spec in zip(paths, leaves, specs):
+        template = re.sub(r"^layers\.\d+\.", "layers.{i}.", path)
+        below = template.split(".", 2)[-1]
+        layer = re.match(r"layers\.(\d+)\.", path)
+        if below not in widths:
+            pieces = [Piece(path, None, leaf.shape, spec, None)]
+        else:
+            hf_names = parts_of.get(template)  # None: stacked in the file too (Phi-3)
+            names = ([n.format(i=layer.group(1) if layer else None) for n in hf_names]
+                     if hf_names else [None] * len(widths[below]))
+            pieces = []
+            for j, (name, width) in enumerate(zip(names, widths[below])):
+                repeated = (config.kv_head_replicas > 1
+                            and j in model_cls.KV_HEAD_PARTS.get(below, ()))
+                pieces.append(Piece(path, j, (*leaf.shape[:-1], width),
+                                    P() if repeated else spec, name, repeated))
+        params[path] = (tuple(leaf.shape), spec, tuple(pieces))
+    return LoadPlan(graphdef, abstract_state, params)
+
+
+def match_checkpoint(model_cls: type[nnx.Module], config, plan: LoadPlan,
+                     shapes: dict[str, tuple[int, ...]]) -> dict[str, Source]:
+    """Where each piece of `plan` lies among checkpoint tensors `shapes` (HF name -> shape), by
+    `Piece.key`.
 
     Raises:
       ValueError: a checkpoint key matches no entry of the name map, a parameter (or a part of a
         stacked one) gets no tensor (or a layer is missing), or a tensor's shape differs from the
         parameter's.
     """
-    abstract = nnx.eval_shape(lambda: model_cls(
-        config, dtype=dtype, attention_backend=attention_backend, rngs=nnx.Rngs(0)))
-    graphdef, abstract_state = nnx.split(abstract)
-    paths = _param_paths(abstract_state)
-    expected = dict(zip(paths, jax.tree_util.tree_leaves(abstract_state)))
-
-    parts_of: dict[str, list[str]] = {}  # stacked parameter -> its parts' HF names, in order
-    for hf, ours, _, part in model_cls.NAME_MAP:
-        if part:
-            parts_of.setdefault(ours, [""] * part[1])[part[0]] = hf
-    found: dict[str, dict[int, np.ndarray]] = {}  # our path -> {part: tensor}
+    found: dict[str, dict[int | None, tuple[str, bool]]] = {}  # path -> part -> (key, transpose)
     unused = []
     patterns = _compile(model_cls.NAME_MAP)
-    for key, tensor in read_safetensors(model_dir).items():
+    for key in shapes:
         for pattern, ours, transpose, part in patterns:
             m = pattern.match(key)
             if m:
@@ -87,36 +173,123 @@ def load_weights(model_cls: type[nnx.Module], model_dir: str | Path, config, dty
                 unused.append(key)
             continue
         ours = ours.format(i=int(m.group(1))) if m.groups() else ours
-        if ours not in expected:  # a layer past the config's, or lm_head beside tied embeddings
+        if ours not in plan.params:  # a layer past the config's, or lm_head beside tied embeddings
             if ours == "lm_head.kernel" and config.tie_word_embeddings:
                 continue
             unused.append(key)
             continue
-        found.setdefault(ours, {})[part[0] if part else 0] = tensor.T if transpose else tensor
+        found.setdefault(ours, {})[part[0] if part else None] = (key, transpose)
     if unused:
         raise ValueError(f"checkpoint keys not used by the model: {unused[:8]}"
                          f"{' ...' if len(unused) > 8 else ''}")
 
-    widths = model_cls.part_widths(config)
-    leaves = []
-    for path in paths:
-        template = re.sub(r"^layers\.\d+\.", "layers.{i}.", path)
-        hf_parts = parts_of.get(template, [None])
+    sources = {}
+    for path, (_, _, pieces) in plan.params.items():
         got = found.get(path, {})
-        want = expected[path]
-        layer = re.match(r"layers\.(\d+)\.", path)
-        for j, hf in enumerate(hf_parts):
-            name = hf and hf.format(i=layer.group(1) if layer else None)
-            if j not in got:
-                raise ValueError(f"parameter {path} has no tensor in the checkpoint"
-                                 + (f" for its part {name}" if name else ""))
-            part_shape = (want.shape if hf is None
-                          else (*want.shape[:-1], widths[template.split(".", 2)[-1]][j]))
-            if tuple(got[j].shape) != tuple(part_shape):
-                raise ValueError(f"parameter {path}{f' (part {name})' if name else ''}: "
-                                 f"checkpoint shape {got[j].shape}, model expects {part_shape}")
-        tensor = got[0] if hf_parts == [None] else np.concatenate(
-            [got[j] for j in range(len(hf_parts))], axis=-1)
-        leaves.append(jnp.asarray(tensor, dtype=dtype))
-    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_state), leaves)
-    return nnx.merge(graphdef, state)
+        whole = got.get(None)
+        for piece in pieces:
+            if piece.part is None or piece.part not in got:
+                if whole is None:
+                    raise ValueError(f"parameter {path} has no tensor in the checkpoint" + (
+                        f" for its part {piece.hf_name}" if piece.hf_name else ""))
+                key, transpose = whole  # the whole parameter, or all its parts in one tensor
+                offset = sum(p.shape[-1] for p in pieces[:piece.part or 0])
+                want = (*piece.shape[:-1], sum(p.shape[-1] for p in pieces))
+            else:
+                (key, transpose), offset, want = got[piece.part], 0, piece.shape
+            if transpose:
+                want = want[::-1]
+            if tuple(shapes[key]) != tuple(want):
+                named = f" (part {piece.hf_name or key})" if piece.part is not None else ""
+                raise ValueError(f"parameter {path}{named}: checkpoint shape "
+                                 f"{tuple(shapes[key])}, model expects {tuple(want)}")
+            sources[piece.key] = Source(key, transpose, offset)
+    return sources
+
+
+def open_safetensors(model_dir: str | Path) -> dict:
+    """Each tensor's slice reader (`safe_open(...).get_slice`), by name."""
+    readers = {}
+    for path in _safetensors_files(model_dir):
+        f = safe_open(path, framework="numpy")
+        for key in f.keys():
+            readers[key] = f.get_slice(key)
+    return readers
+
+
+def _read(reader, source: Source, piece: Piece, index: tuple) -> np.ndarray:
+    """`index` (slices, our orientation) of `piece` from its checkpoint tensor."""
+    index = list(index) + [slice(None)] * (len(piece.shape) - len(index))
+    start, stop, _ = index[-1].indices(piece.shape[-1])
+    index[-1] = slice(source.offset + start, source.offset + stop)
+    if source.transpose:
+        return np.asarray(reader[tuple(index[::-1])]).T
+    return np.asarray(reader[tuple(index)])
+
+
+def read_pieces(readers: dict, plan: LoadPlan, sources: dict[str, Source], mesh: Mesh | None,
+                dtype=None) -> dict[str, jax.Array | np.ndarray]:
+    """Each piece of `plan` from the safetensors `readers` (`open_safetensors`), cast to `dtype`
+    (None: the file's), laid out by its spec on `mesh`, each device's slice read from the file
+    alone (`make_array_from_callback`); with no mesh, whole NumPy arrays."""
+    arrays = {}
+    for piece in plan.pieces:
+        source = sources[piece.key]
+        read = functools.partial(_read, readers[source.key], source, piece)
+        cast = (lambda x: x) if dtype is None else (lambda x: x.astype(jnp.dtype(dtype)))
+        if mesh is None:
+            arrays[piece.key] = cast(read(()))
+        else:
+            arrays[piece.key] = jax.make_array_from_callback(
+                piece.shape, NamedSharding(mesh, piece.spec), lambda i, read=read: cast(read(i)))
+    return arrays
+
+
+def assemble(plan: LoadPlan, arrays: dict[str, jax.Array], config, mesh: Mesh, dtype
+             ) -> nnx.State:
+    """The model's parameters from its pieces (`read_pieces`, or an orbax restore), each laid out
+    by its spec on `mesh`, in one jitted `shard_map` with no communication (module doc)."""
+    replicas, H = config.kv_head_replicas, config.head_dim
+    paths = list(plan.params)
+    in_specs = [[piece.spec for piece in plan.params[p][2]] for p in paths]
+
+    def local(pieces_by_param):
+        out = []
+        for path, pieces in zip(paths, pieces_by_param):
+            parts = []
+            for piece, x in zip(plan.params[path][2], pieces):
+                if piece.repeated:  # this device's KV head is head s // replicas
+                    head = jax.lax.axis_index(MODEL_AXIS) // replicas
+                    x = jax.lax.dynamic_slice_in_dim(x, head * H, H, axis=x.ndim - 1)
+                parts.append(x)
+            out.append((parts[0] if len(parts) == 1 else jnp.concatenate(parts, -1)
+                        ).astype(dtype))
+        return out
+
+    args = [[arrays[piece.key] for piece in plan.params[p][2]] for p in paths]
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(in_specs,),
+                               out_specs=[plan.params[p][1] for p in paths]))
+    leaves = fn(args)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(plan.abstract_state),
+                                        leaves)
+
+
+def load_weights(model_cls: type[nnx.Module], model_dir: str | Path, config, dtype,
+                 attention_backend: AttentionBackend | str = "xla",
+                 mesh: Mesh | None = None) -> nnx.Module:
+    """Builds a `model_cls` (a registered family) with weights from `model_dir`, cast to `dtype`,
+    by the class's `NAME_MAP` and `part_widths(config)`, laid out on `mesh` (None: one device).
+
+    `attention_backend` is a backend object or one of
+    `pallas_kernels.backends.ATTENTION_BACKENDS`.
+
+    Raises:
+      ValueError: see `match_checkpoint`.
+    """
+    readers = open_safetensors(model_dir)
+    shapes = {key: tuple(reader.get_shape()) for key, reader in readers.items()}
+    plan = plan_load(model_cls, config, attention_backend, dtype)
+    sources = match_checkpoint(model_cls, config, plan, shapes)
+    mesh = mesh or single_device_mesh()
+    state = assemble(plan, read_pieces(readers, plan, sources, mesh, dtype), config, mesh, dtype)
+    return nnx.merge(plan.graphdef, state)

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxpaged.models.loader import load_weights
 from jaxpaged.pallas_kernels.backends import AttentionBackend
@@ -65,7 +66,9 @@ def load_config(model_dir: str | Path):
 
 
 def load_model(model_dir: str | Path, config, dtype,
-               attention_backend: AttentionBackend | str = "xla") -> nnx.Module:
-    """The family's model for `model_dir`, with its weights (see `loader.load_weights`)."""
+               attention_backend: AttentionBackend | str = "xla", mesh: Mesh | None = None
+               ) -> nnx.Module:
+    """The family's model for `model_dir`, with its weights laid out on `mesh` (None: one
+    device; see `loader.load_weights`)."""
     return load_weights(model_class(_hf_config(model_dir)), model_dir, config, dtype,
-                        attention_backend)
+                        attention_backend, mesh)

@@ -5,9 +5,9 @@ the CPU kernel). The model calls attention through a backend object (`backends`)
 replace one another without touching model code.
 """
 
-from jaxpaged.pallas_kernels.backends import (ATTENTION_BACKENDS, AttentionBackend,
-                                              AttentionMetadata, AttentionSpec, StepLimits,
-                                              make_attention_backend)
+from jaxpaged.pallas_kernels.backends import (ATTENTION_BACKENDS, DATA_AXIS, KV_CACHE_SPEC,
+                                              MODEL_AXIS, AttentionBackend, AttentionMetadata,
+                                              AttentionSpec, StepLimits, make_attention_backend)
 from jaxpaged.pallas_kernels.cpu_attention import paged_attention_cpu
 from jaxpaged.pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from jaxpaged.pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
@@ -15,7 +15,7 @@ from jaxpaged.pallas_kernels.ragged_paged_attention import (ragged_paged_attenti
 from jaxpaged.pallas_kernels.reference import (PAD_SLOT_ID, copy_blocks,
                                               paged_attention_xla_packed, write_kv)
 
-__all__ = ["ATTENTION_BACKENDS", "PAD_SLOT_ID", "AttentionBackend", "AttentionMetadata",
+__all__ = ["ATTENTION_BACKENDS", "DATA_AXIS", "KV_CACHE_SPEC", "MODEL_AXIS", "PAD_SLOT_ID", "AttentionBackend", "AttentionMetadata",
            "AttentionSpec", "StepLimits", "copy_blocks", "make_attention_backend",
            "paged_attention", "paged_attention_cpu", "paged_attention_reference",
            "paged_attention_xla_packed", "ragged_paged_attention",

@@ -20,6 +20,11 @@ step (how it reads the cached blocks), owns its shape buckets, and writes new K/
 
 `make_attention_backend` is the one place a backend is chosen. The model calls
 `backend.attention(q, k, v, kv_cache, layer, metadata, spec)` with its layer's `AttentionSpec`.
+
+Tensor parallelism: given a `jax.sharding.Mesh`, a backend runs its attention under
+`jax.shard_map` over the mesh's `MODEL_AXIS`, each device on its own heads: q, k and v sharded
+on their head axes, the pool on its KV-head axis (`KV_CACHE_SPEC`), the metadata replicated.
+Attention needs no communication: a KV head and the query heads that read it live on one device.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.pallas_kernels.paged_attention import paged_attention
@@ -37,6 +43,12 @@ from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attentio
 from jaxpaged.pallas_kernels.reference import PAD_SLOT_ID, paged_attention_xla_packed, write_kv
 
 ATTENTION_BACKENDS = ("auto", "cpu", "pallas", "pallas-interpret", "xla")
+
+# The mesh axes (tpu-inference's names): tensor parallelism shards heads, the MLP's hidden
+# units and the vocabulary over MODEL_AXIS; DATA_AXIS is kept for data parallelism (size 1).
+DATA_AXIS, MODEL_AXIS = "data", "model"
+HEADS_SPEC = P(None, MODEL_AXIS, None)  # q f[T, N, H], k and v f[T, K, H]: by head
+KV_CACHE_SPEC = P(None, None, MODEL_AXIS)  # the pool f[L, 2, K, P, S, H]: by KV head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +121,10 @@ class AttentionBackend:
 
     name: ClassVar[str]
     # True: each layer writes its new K/V before reading the pool; False: `attention` returns
-    # them and the model writes all layers' in one scatter (`reference.write_kv`).
+    # them and the model writes all layers' in one scatter (`write_all_kv`).
     writes_kv_per_layer: ClassVar[bool] = True
+    # The device mesh of tensor parallelism (`attention` under `shard_map`); None: one device.
+    mesh: Mesh | None = None
 
     def variants(self, T: int, limits: StepLimits) -> list[bool]:
         """The `decode_only` values a step of T tokens can take (each one compiled shape)."""
@@ -165,7 +179,29 @@ class AttentionBackend:
           in the returned pool (`writes_kv_per_layer`), else (k, v) to write after all layers.
           Rows of padding tokens hold finite garbage or 0.
         """
+        if self.mesh is None:
+            return self._attention(q, k, v, kv_cache, layer, md, spec)
+        kv_spec = None if self.writes_kv_per_layer else (HEADS_SPEC, HEADS_SPEC)
+        return jax.shard_map(
+            lambda q, k, v, c, md: self._attention(q, k, v, c, layer, md, spec), mesh=self.mesh,
+            in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, KV_CACHE_SPEC, P()),
+            out_specs=(HEADS_SPEC, KV_CACHE_SPEC, kv_spec))(q, k, v, kv_cache, md)
+
+    def _attention(self, q, k, v, kv_cache, layer: int, md: AttentionMetadata,
+                   spec: AttentionSpec):
+        """`attention` on one device's heads (all of them without a mesh)."""
         raise NotImplementedError
+
+    def write_all_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
+                     md: AttentionMetadata) -> jax.Array:
+        """Writes every layer's new K/V, k and v f[L, T, K, H], into the pool at
+        `md.slot_mapping` (backends without `writes_kv_per_layer`), each device its own heads."""
+        if self.mesh is None:
+            return write_kv(kv_cache, k, v, md.slot_mapping)
+        heads = P(None, None, MODEL_AXIS)
+        return jax.shard_map(write_kv, mesh=self.mesh,
+                             in_specs=(KV_CACHE_SPEC, heads, heads, P()),
+                             out_specs=KV_CACHE_SPEC)(kv_cache, k, v, md.slot_mapping)
 
     @staticmethod
     def _write(kv_cache, k, v, md: AttentionMetadata, layer: int):
@@ -177,7 +213,7 @@ class AttentionBackend:
 class XlaBackend(AttentionBackend):
     name = "xla"
 
-    def attention(self, q, k, v, kv_cache, layer, md, spec):
+    def _attention(self, q, k, v, kv_cache, layer, md, spec):
         kv_cache = self._write(kv_cache, k, v, md, layer)
         out = paged_attention_xla_packed(
             q, kv_cache[layer, 0], kv_cache[layer, 1], md.block_tables, md.seq_lens,
@@ -193,7 +229,7 @@ class PallasBackend(AttentionBackend):
     def variants(self, T, limits):
         return [False, True] if T <= limits.num_seqs_bucket(T) else [False]
 
-    def attention(self, q, k, v, kv_cache, layer, md, spec):
+    def _attention(self, q, k, v, kv_cache, layer, md, spec):
         kv_cache = self._write(kv_cache, k, v, md, layer)
         k_pages, v_pages = kv_cache[layer, 0], kv_cache[layer, 1]
         kw = dict(scale=spec.scale, soft_cap=spec.soft_cap, sliding_window=spec.sliding_window,
@@ -253,9 +289,9 @@ class CpuBackend(AttentionBackend):
         fixed = min(most, limits.num_blocks)
         return fixed if num_blocks <= fixed else most
 
-    def attention(self, q, k, v, kv_cache, layer, md, spec):
+    def _attention(self, q, k, v, kv_cache, layer, md, spec):
         if self._xla is not None:
-            return self._xla.attention(q, k, v, kv_cache, layer, md, spec)
+            return self._xla._attention(q, k, v, kv_cache, layer, md, spec)
         out, kv_cache = cpu_attention.paged_attention_cpu(
             q, k, v, kv_cache, layer, md.query_start_loc, md.query_lens, md.context_blocks,
             md.context_rows, md.context_lens, scale=spec.scale,
@@ -263,9 +299,10 @@ class CpuBackend(AttentionBackend):
         return out.astype(q.dtype), kv_cache, (k, v)
 
 
-def make_attention_backend(name: str, dtype=jnp.float32) -> AttentionBackend:
+def make_attention_backend(name: str, dtype=jnp.float32, mesh: Mesh | None = None
+                           ) -> AttentionBackend:
     """The backend for `name` ("auto": Pallas on GPU; on CPU "cpu" where the C++ kernel builds,
-    else "xla") and the pool's dtype.
+    else "xla") and the pool's dtype; with `mesh`, sharded over its `MODEL_AXIS`.
 
     Raises:
       ValueError: an unknown name, or "cpu" where the C++ kernel cannot be built.
@@ -279,6 +316,9 @@ def make_attention_backend(name: str, dtype=jnp.float32) -> AttentionBackend:
         if not cpu_attention.available():
             raise ValueError("attention_backend 'cpu' needs the C++ kernel, which could not be "
                              "built here (see the log); use 'xla'")
-        return CpuBackend(float32=jnp.dtype(dtype) == jnp.float32)
-    return {"xla": XlaBackend, "pallas": PallasBackend,
-            "pallas-interpret": PallasInterpretBackend}[name]()
+        backend = CpuBackend(float32=jnp.dtype(dtype) == jnp.float32)
+    else:
+        backend = {"xla": XlaBackend, "pallas": PallasBackend,
+                   "pallas-interpret": PallasInterpretBackend}[name]()
+    backend.mesh = mesh
+    return backend

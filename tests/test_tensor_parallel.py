@@ -1,0 +1,147 @@
+"""Tensor parallelism on 8 CPU devices (`--xla_force_host_platform_device_count=8`, in a fresh
+process: jax reads it once): greedy ids under TP 2, 4 and 8 equal TP 1 on tiny models with 1, 2
+and 8 KV heads (1 and 2 repeated to one per device) and on Qwen2 (biases on q/k/v); the
+compiled step's collectives are those the partitioning implies; `jaxpaged serve` with TP 4."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.models import load_config
+from jaxpaged.parallel import make_mesh
+
+WORKER = Path(__file__).parent / "tp_worker.py"
+BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=8, max_position_embeddings=512, rope_theta=10000.0,
+            rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2, bos_token_id=1,
+            eos_token_id=2)
+MODELS = {  # name -> (transformers class names, config overrides)
+    "llama-kv1": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1)),
+    "llama-kv2": ("LlamaConfig", "LlamaForCausalLM",
+                  dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama-kv8": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=8)),
+    "qwen2-kv2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def tp_models(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("tp-models")
+    dirs = {}
+    for name, (config_cls, model_cls, overrides) in MODELS.items():
+        torch.manual_seed(0)
+        config = getattr(transformers, config_cls)(**{**BASE, **overrides})
+        getattr(transformers, model_cls)(config).save_pretrained(root / name)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(default_model_dir / f, root / name / f)
+        dirs[name] = root / name
+    return dirs
+
+
+def run_worker(args: dict, timeout: float = 900) -> dict:
+    res = subprocess.run([sys.executable, str(WORKER), json.dumps(args)], capture_output=True,
+                         text=True, timeout=timeout)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-5000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def tp_results(tp_models) -> dict:
+    return run_worker({"models": [str(d) for d in tp_models.values()], "tps": [1, 2, 4, 8],
+                       "hlo": str(tp_models["llama-kv2"])})
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_greedy_ids_equal_one_device(tp_results, model, tp):
+    ids = tp_results["ids"]
+    assert ids[f"{model}/{tp}"] == ids[f"{model}/1"]
+    assert all(len(x) == 8 for x in ids[f"{model}/1"])
+
+
+def test_the_step_communicates_what_the_partitioning_implies(tp_results):
+    """Per layer two all-reduces (after the row-parallel o_proj and down_proj), one for the
+    vocabulary-parallel embedding lookup, one all-gather of the logits, and nothing that
+    gathers a weight matrix."""
+    hlo = tp_results["hlo"]
+    found, L = hlo["collectives"], hlo["num_layers"]
+    assert len(found["all-reduce"]) == 2 * L + 1, found
+    assert all(shape == "f32[16,64]" for shape in found["all-reduce"]), found  # [T, D]
+    assert found["all-gather"] == ["f32[16,49152]"], found  # the logits [S, V]
+    assert not set(found["all-gather"]) & set(hlo["weights"])
+    assert not found["reduce-scatter"] and not found["all-to-all"], found
+    assert hlo["kv_cache"] == "P(None, None, 'model')"
+    assert hlo["qkv"] == "P(None, 'model')"
+
+
+def test_a_split_that_cannot_be_made_is_named(tiny_model_dir):
+    config = load_config(tiny_model_dir)  # 4 query heads, 2 KV heads
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's "
+                       "num_attention_heads=4"):
+        config.for_tensor_parallel(3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
+        config.for_tensor_parallel(0)
+    split = config.for_tensor_parallel(4)
+    assert (split.num_key_value_heads, split.kv_head_replicas) == (4, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 devices; jax sees 1"):
+        make_mesh(2)  # this process has one CPU device
+    with pytest.raises(ValueError, match="needs 2 devices"):
+        LLM(tiny_model_dir, tensor_parallel_size=2, precompile=False)
+
+
+def test_serve_with_tensor_parallel_4(tp_models):
+    """`jaxpaged serve --tensor-parallel-size 4` on 8 CPU devices: completions, streamed and
+    not, equal one device's greedy ids."""
+    model = tp_models["llama-kv2"]
+    llm = LLM(model, precompile=False, max_model_len=256, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jaxpaged.cli", "serve", "--model", str(model), "--port",
+         str(port), "--tensor-parallel-size", "4", "--no-precompile", "--max-model-len", "256",
+         "--num-kv-blocks", "64"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not _healthy(port):
+            assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=300)
+        kw = dict(model=str(model), prompt="The capital of France is", temperature=0,
+                  max_tokens=12, extra_body={"ignore_eos": True})
+        assert client.completions.create(**kw).choices[0].text == want.text
+        streamed = "".join(chunk.choices[0].text
+                           for chunk in client.completions.create(stream=True, **kw))
+        assert streamed == want.text
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=60)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
