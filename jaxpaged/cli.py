@@ -1,5 +1,5 @@
 """Command line: `jaxpaged generate`, `jaxpaged chat`, `jaxpaged serve`, `jaxpaged prepare`,
-`jaxpaged import`."""
+`jaxpaged import`, `jaxpaged convert`."""
 
 from __future__ import annotations
 
@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("out", nargs="?", default=None,
                      help="the folder to write; it must not exist or be empty "
                      "(default: $JAXPAGED_HOME/models/<file name without .gguf>)")
+    conv = sub.add_parser("convert", help="write a model as an orbax checkpoint (params/, with "
+                          "its config and tokenizer beside) that --model can load")
+    conv.add_argument("src", help="a Hugging Face folder, or a .gguf file")
+    conv.add_argument("out", help="the folder to write; it must not exist or be empty")
     return parser
 
 
@@ -97,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "import":
             return _import(args)
+        if args.command == "convert":
+            return _convert(args)
         if args.command == "serve":
             return _serve(args)
         return _generate(args)
@@ -120,6 +126,30 @@ def _import(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{str(out)!r} exists and is not an empty folder")
     write_aside(out, lambda folder: import_gguf(src, folder))
+    print(out)
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    """Converts into a new folder (`model_store.write_aside`); a GGUF is imported on the way."""
+    import tempfile
+    from pathlib import Path
+
+    from jaxpaged.gguf_import import import_gguf
+    from jaxpaged.model_store import write_aside
+    from jaxpaged.models.registry import convert_to_orbax
+
+    src, out = Path(args.src).expanduser(), Path(args.out).expanduser()
+    if not src.exists():
+        raise ValueError(f"{args.src!r} does not exist")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{str(out)!r} exists and is not an empty folder")
+    if src.is_dir():
+        write_aside(out, lambda folder: convert_to_orbax(src, folder))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            import_gguf(src, Path(tmp))
+            write_aside(out, lambda folder: convert_to_orbax(tmp, folder))
     print(out)
     return 0
 

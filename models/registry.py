@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 from pathlib import Path
 
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxpaged.models.loader import load_weights
+from jaxpaged.models import orbax_checkpoint
+from jaxpaged.models.loader import assemble, load_weights, plan_load, single_device_mesh
 from jaxpaged.pallas_kernels.backends import AttentionBackend
 
 # HF architecture name -> (module in jaxpaged.models, class name)
@@ -69,6 +71,36 @@ def load_model(model_dir: str | Path, config, dtype,
                attention_backend: AttentionBackend | str = "xla", mesh: Mesh | None = None
                ) -> nnx.Module:
     """The family's model for `model_dir`, with its weights laid out on `mesh` (None: one
-    device; see `loader.load_weights`)."""
-    return load_weights(model_class(_hf_config(model_dir)), model_dir, config, dtype,
-                        attention_backend, mesh)
+    device): from its safetensors (`loader.load_weights`), or from the orbax checkpoint that
+    `jaxpaged convert` wrote there (`models.orbax_checkpoint`).
+
+    Raises:
+      ValueError: the weights do not match the config, or cannot be read (the tensor named).
+    """
+    model_cls = model_class(_hf_config(model_dir))
+    if not orbax_checkpoint.is_orbax(model_dir):
+        return load_weights(model_cls, model_dir, config, dtype, attention_backend, mesh)
+    plan = plan_load(model_cls, config, attention_backend, dtype)
+    mesh = mesh or single_device_mesh()
+    arrays = orbax_checkpoint.restore_pieces(model_dir, plan, mesh, dtype)
+    return nnx.merge(plan.graphdef, assemble(plan, arrays, config, mesh, dtype))
+
+
+def convert_to_orbax(model_dir: str | Path, out_dir: str | Path) -> None:
+    """Writes the weights of the Hugging Face folder `model_dir` as an orbax checkpoint in
+    `out_dir/params` (`models.orbax_checkpoint`), and copies its other files (config,
+    tokenizer, generation config) beside it, so that `out_dir` loads as a model.
+
+    Raises:
+      ValueError: see `load_config` and `loader.match_checkpoint`.
+    """
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    config = load_config(model_dir)
+    model_cls = model_class(_hf_config(model_dir))
+    plan = plan_load(model_cls, config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    orbax_checkpoint.save_orbax(model_cls, config, model_dir, plan, out_dir)
+    for path in model_dir.iterdir():
+        if path.is_file() and not path.name.startswith("model.safetensors") \
+                and path.suffix != ".safetensors":
+            shutil.copy2(path, out_dir / path.name)

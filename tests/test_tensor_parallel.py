@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from jaxpaged import LLM, SamplingParams
+from jaxpaged import LLM, SamplingParams, cli
 from jaxpaged.models import load_config
 from jaxpaged.parallel import make_mesh
 
@@ -63,9 +63,18 @@ def run_worker(args: dict, timeout: float = 900) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tp_results(tp_models) -> dict:
-    return run_worker({"models": [str(d) for d in tp_models.values()], "tps": [1, 2, 4, 8],
-                       "hlo": str(tp_models["llama-kv2"])})
+def orbax_model(tp_models, tmp_path_factory) -> Path:
+    """llama-kv2 converted by `jaxpaged convert`."""
+    out = tmp_path_factory.mktemp("orbax") / "llama-kv2-orbax"
+    assert cli.main(["convert", str(tp_models["llama-kv2"]), str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_results(tp_models, orbax_model) -> dict:
+    runs = [[str(d), tp] for d in tp_models.values() for tp in (1, 2, 4, 8)]
+    return run_worker({"runs": runs + [[str(orbax_model), 4]],
+                       "hlo": str(tp_models["llama-kv2"]), "shards": str(orbax_model)})
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -89,6 +98,25 @@ def test_the_step_communicates_what_the_partitioning_implies(tp_results):
     assert not found["reduce-scatter"] and not found["all-to-all"], found
     assert hlo["kv_cache"] == "P(None, None, 'model')"
     assert hlo["qkv"] == "P(None, 'model')"
+
+
+def test_orbax_restores_each_shard_on_its_device(tp_results):
+    """The orbax checkpoint restored for TP 4: the same greedy ids as one device from the
+    safetensors, each parameter laid out by its spec, each device holding its own slice."""
+    assert tp_results["ids"]["llama-kv2-orbax/4"] == tp_results["ids"]["llama-kv2/1"]
+    shards = tp_results["shards"]
+    qkv = shards["['layers'][0]['self_attn']['qkv_proj']['kernel'].value"]
+    # 8 query heads, and 2 KV heads repeated to 4 for k and v, of 8 features, over 4 devices
+    assert qkv["spec"] == "P(None, 'model')" and qkv["shape"] == [64, (8 + 2 * 4) * 8]
+    assert sorted(d for d, _, _ in qkv["shards"]) == [0, 1, 2, 3]
+    assert len({index for _, index, _ in qkv["shards"]}) == 4
+    assert all(shape == [64, 32] for _, _, shape in qkv["shards"])
+    embedding = shards["['embed_tokens']['embedding'].value"]
+    assert embedding["spec"] == "P('model', None)"
+    assert all(shape == [49152 // 4, 64] for _, _, shape in embedding["shards"])
+    down = shards["['layers'][1]['mlp']['down_proj']['kernel'].value"]
+    assert down["spec"] == "P('model', None)"
+    assert all(shape == [128 // 4, 64] for _, _, shape in down["shards"])
 
 
 def test_a_split_that_cannot_be_made_is_named(tiny_model_dir):

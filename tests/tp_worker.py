@@ -1,8 +1,10 @@
 """Run by tests/test_tensor_parallel.py in a fresh process (jax reads the device count once, at
 start): `python tp_worker.py JSON_ARGS`; prints one JSON line of results.
 
-JSON_ARGS: {"models": [dirs], "tps": [sizes], "backend": name, "hlo": dir or null,
-"distributed": [coordinator, num_processes, process_id] or null}.
+JSON_ARGS: {"runs": [[model dir, tp], ...], "backend": name, "hlo": dir or null,
+"shards": dir or null, "distributed": [coordinator, num_processes, process_id] or null}.
+Results: greedy ids by "<dir name>/<tp>"; for "hlo", the compiled step's collectives; for
+"shards", where each parameter's shards lie.
 """
 
 import json
@@ -13,6 +15,8 @@ import sys
 args = json.loads(sys.argv[1])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.get('devices', 8)}"
+
+import jax  # noqa: E402
 
 from jaxpaged import LLM, SamplingParams  # noqa: E402
 
@@ -45,22 +49,32 @@ def collectives(engine) -> dict:
     return found
 
 
+def shards(engine) -> dict:
+    """Each parameter's spec and its shards' (device id, index) as strings."""
+    found = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]:
+        found[jax.tree_util.keystr(path)] = {
+            "spec": str(x.sharding.spec), "shape": list(x.shape),
+            "shards": [[s.device.id, str(s.index), list(s.data.shape)]
+                       for s in x.addressable_shards]}
+    return found
+
+
 out = {"ids": {}}
-for model in args["models"]:
-    for tp in args["tps"]:
-        engine_llm = llm(model, tp)
-        ids = [o.outputs[0].token_ids for o in engine_llm.generate(PROMPTS, PARAMS,
-                                                                  use_tqdm=False)]
-        out["ids"][f"{os.path.basename(model)}/{tp}"] = ids
-        if args.get("hlo") == model and tp > 1:
-            engine = engine_llm.llm_engine
-            out["hlo"] = {
-                "tp": tp, "collectives": collectives(engine),
-                "weights": sorted({f"f32[{','.join(map(str, x.shape))}]"
-                                   for x in __import__("jax").tree.leaves(engine.runner.params)
-                                   if x.ndim == 2}),
-                "num_layers": engine.model_config.num_hidden_layers,
-                "kv_cache": str(engine.runner.kv_cache.sharding.spec),
-                "qkv": str(engine.runner.params["layers"][0]["self_attn"]["qkv_proj"]["kernel"]
-                           .sharding.spec)}
+for model, tp in args["runs"]:
+    engine_llm = llm(model, tp)
+    engine = engine_llm.llm_engine
+    ids = [o.outputs[0].token_ids for o in engine_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    out["ids"][f"{os.path.basename(model)}/{tp}"] = ids
+    if args.get("hlo") == model and tp > 1:
+        params = engine.runner.params
+        out["hlo"] = {
+            "tp": tp, "collectives": collectives(engine),
+            "weights": sorted({f"f32[{','.join(map(str, x.shape))}]"
+                               for x in jax.tree.leaves(params) if x.ndim == 2}),
+            "num_layers": engine.model_config.num_hidden_layers,
+            "kv_cache": str(engine.runner.kv_cache.sharding.spec),
+            "qkv": str(params["layers"][0]["self_attn"]["qkv_proj"]["kernel"].sharding.spec)}
+    if args.get("shards") == model:
+        out["shards"] = shards(engine)
 print("RESULT " + json.dumps(out), flush=True)
