@@ -39,6 +39,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seeds the sampling of requests that give no seed")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices to split the model over (tensor parallelism)")
+    g = p.add_argument_group("several processes (hosts): one JAX runtime through "
+                             "jax.distributed; run the same command on each, with its "
+                             "--process-id")
+    g.add_argument("--coordinator-address", default=None,
+                   help="host:port of process 0, where the processes meet")
+    g.add_argument("--num-processes", type=int, default=1, help="processes in all")
+    g.add_argument("--process-id", type=int, default=0, help="this process's index, from 0")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -165,17 +172,36 @@ def _build_llm(args: argparse.Namespace):
                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                enable_prefix_caching=args.enable_prefix_caching,
                attention_backend=args.attention_backend, seed=args.seed,
-               precompile=args.precompile, tensor_parallel_size=args.tensor_parallel_size)
+               precompile=args.precompile, tensor_parallel_size=args.tensor_parallel_size,
+               coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+               process_id=args.process_id)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """Serves HTTP on process 0; with several processes, the others follow its engine calls
+    (`jaxpaged.multihost`)."""
     from jaxpaged.model_store import DEFAULT_MODEL
+    from jaxpaged.multihost import LeaderEngine, follow
     from jaxpaged.server import run_server
 
     llm = _build_llm(args)
+    if args.num_processes > 1 and args.process_id > 0:
+        try:
+            follow(llm.llm_engine)
+        except RuntimeError as e:
+            print(f"jaxpaged: error: {e}", file=sys.stderr)
+            return 1
+        return 0
+    if args.num_processes > 1:
+        llm.llm_engine = LeaderEngine(llm.llm_engine)
     model_name = args.served_model_name or args.model or DEFAULT_MODEL
-    return run_server(llm, model_name, host=args.host, port=args.port, api_key=args.api_key,
-                      model_root=str(args.model or DEFAULT_MODEL), log_level=args.log_level)
+    try:
+        return run_server(llm, model_name, host=args.host, port=args.port,
+                          api_key=args.api_key, model_root=str(args.model or DEFAULT_MODEL),
+                          log_level=args.log_level)
+    finally:
+        if args.num_processes > 1:
+            llm.llm_engine.shutdown()
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -48,12 +48,18 @@ class FaultIsolatingExecutor:
           samples are empty).
 
         Raises:
-          EngineDeadError: the KV pool was lost with the fault, copy-on-write copies failed, or
-            every request failed alone and a padding-only step raised too.
+          EngineDeadError: the KV pool was lost with the fault, copy-on-write copies failed,
+            every request failed alone and a padding-only step raised too, or the engine spans
+            several processes (a fault there is most likely another process gone, and running
+            requests alone would need it).
         """
         try:
             return *self.runner.execute(out), {}
         except Exception as fault:
+            if jax.process_count() > 1:
+                raise EngineDeadError(
+                    f"a step across {jax.process_count()} processes failed (another process "
+                    f"may have died): {describe(fault)}") from fault
             self._check_pool(fault)
             logger.warning("a step of %d rows raised %s; running its requests one at a time",
                            len(out.seqs), describe(fault), exc_info=fault)
@@ -104,4 +110,5 @@ class FaultIsolatingExecutor:
         except Exception:
             lost = True
         if lost:
-            raise EngineDeadError("the KV pool was lost with a fault in the step") from fault
+            raise EngineDeadError(f"the KV pool was lost with a fault in the step: "
+                                  f"{describe(fault)}") from fault

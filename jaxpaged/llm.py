@@ -14,6 +14,7 @@ from jaxpaged.errors import InvalidRequestError
 from jaxpaged.llm_engine import LLMEngine
 from jaxpaged.model_store import resolve_model
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.parallel import init_distributed
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict
@@ -48,6 +49,10 @@ class LLM:
         hidden units and the vocabulary are split evenly, the KV pool by KV head (repeated
         when there are fewer KV heads than devices). `kv_cache_memory_bytes` is then the
         pool's total over all devices.
+      coordinator_address, num_processes, process_id: run on several processes (hosts) as one
+        JAX runtime (`jax.distributed.initialize`; process 0 hosts the coordinator at
+        "host:port"): the mesh then spans every process's devices. Run the same program, with
+        the same calls, on every process (see `jaxpaged.multihost`).
       precompile: True (the default) compiles the model step for every shape the limits
         above allow, at startup (with a progress bar), so that serving compiles nothing new:
         one shape per token bucket of a packed step, about 20 under the default limits (twice
@@ -66,7 +71,13 @@ class LLM:
                  max_num_partial_prefills: int = 1, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 seed: int = 0, precompile: bool = True, tensor_parallel_size: int = 1):
+                 seed: int = 0, precompile: bool = True, tensor_parallel_size: int = 1,
+                 coordinator_address: str | None = None, num_processes: int = 1,
+                 process_id: int = 0):
+        if coordinator_address is not None:
+            init_distributed(coordinator_address, num_processes, process_id)
+        elif num_processes != 1:
+            raise ValueError(f"num_processes={num_processes} needs a coordinator_address")
         model_dir = resolve_model(model)
         cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -1,7 +1,9 @@
 """Tensor parallelism on 8 CPU devices (`--xla_force_host_platform_device_count=8`, in a fresh
 process: jax reads it once): greedy ids under TP 2, 4 and 8 equal TP 1 on tiny models with 1, 2
 and 8 KV heads (1 and 2 repeated to one per device) and on Qwen2 (biases on q/k/v); the
-compiled step's collectives are those the partitioning implies; `jaxpaged serve` with TP 4."""
+compiled step's collectives are those the partitioning implies; `jaxpaged serve` with TP 4; an
+orbax checkpoint restored into its shards. Several processes: two with 2 CPU devices each,
+joined through `jax.distributed` on 127.0.0.1 (gloo), run TP 4 across them."""
 
 from __future__ import annotations
 
@@ -134,16 +136,28 @@ def test_a_split_that_cannot_be_made_is_named(tiny_model_dir):
         LLM(tiny_model_dir, tensor_parallel_size=2, precompile=False)
 
 
-def test_serve_with_tensor_parallel_4(tp_models):
+@pytest.fixture(scope="module")
+def served_text(tp_models) -> str:
+    """One device's greedy completion of the served prompt."""
+    llm = LLM(tp_models["llama-kv2"], precompile=False, max_model_len=256, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].text
+
+
+def _complete(port: int, model: str, stream: bool = False) -> str:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=300)
+    kw = dict(model=model, prompt="The capital of France is", temperature=0, max_tokens=12,
+              extra_body={"ignore_eos": True})
+    if not stream:
+        return client.completions.create(**kw).choices[0].text
+    return "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **kw))
+
+
+def test_serve_with_tensor_parallel_4(tp_models, served_text):
     """`jaxpaged serve --tensor-parallel-size 4` on 8 CPU devices: completions, streamed and
     not, equal one device's greedy ids."""
     model = tp_models["llama-kv2"]
-    llm = LLM(model, precompile=False, max_model_len=256, num_kv_blocks=64)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     server = subprocess.Popen(
@@ -156,16 +170,90 @@ def test_serve_with_tensor_parallel_4(tp_models):
         while not _healthy(port):
             assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
             time.sleep(0.5)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=300)
-        kw = dict(model=str(model), prompt="The capital of France is", temperature=0,
-                  max_tokens=12, extra_body={"ignore_eos": True})
-        assert client.completions.create(**kw).choices[0].text == want.text
-        streamed = "".join(chunk.choices[0].text
-                           for chunk in client.completions.create(stream=True, **kw))
-        assert streamed == want.text
+        assert _complete(port, str(model)) == served_text
+        assert _complete(port, str(model), stream=True) == served_text
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(timeout=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_processes(args: dict, num: int = 2) -> list[subprocess.Popen]:
+    address = f"127.0.0.1:{_free_port()}"
+    return [subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps({**args, "devices": 2,
+                                                  "distributed": [address, num, i]})],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(num)]
+
+
+def test_two_processes_equal_one(tp_models, tp_results):
+    model = str(tp_models["llama-kv2"])
+    procs = _start_processes({"runs": [[model, 4]]})
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, output in zip(procs, outputs):
+        assert p.returncode == 0, output[-5000:]
+        [line] = [x for x in output.splitlines() if x.startswith("RESULT ")]
+        ids = json.loads(line[len("RESULT "):])["ids"]["llama-kv2/4"]
+        assert ids == tp_results["ids"]["llama-kv2/1"]
+
+
+def test_a_dead_process_is_a_clear_error_on_the_other(tp_models):
+    """Process 1 killed mid-generation: process 0 fails with EngineDeadError naming the cause
+    and exits within 60 s (jax's coordination service then aborts the process)."""
+    procs = _start_processes({"runs": [[str(tp_models["llama-kv2"]), 4]], "forever": True})
+    try:
+        for p in procs:  # both are generating
+            for line in p.stdout:
+                if line.startswith("GENERATING"):
+                    break
+            else:
+                pytest.fail("a worker did not start: " + p.stdout.read()[-3000:])
+        time.sleep(2)
+        procs[1].kill()
+        killed = time.monotonic()
+        output = procs[0].communicate(timeout=90)[0]
+        assert time.monotonic() - killed < 60
+        assert procs[0].returncode != 0
+        assert "EngineDeadError: a step across 2 processes failed (another process may have " \
+            "died)" in output, output[-5000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_serve_on_two_processes(tp_models, served_text):
+    """`jaxpaged serve` on two processes: process 0 serves HTTP, process 1 follows its engine
+    calls; both exit 0 when process 0 is interrupted."""
+    model = str(tp_models["llama-kv2"])
+    address, port = f"127.0.0.1:{_free_port()}", _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "jaxpaged.cli", "serve", "--model", model, "--port", str(port),
+         "--tensor-parallel-size", "4", "--no-precompile", "--max-model-len", "256",
+         "--num-kv-blocks", "64", "--max-num-batched-tokens", "48", "--coordinator-address",
+         address, "--num-processes", "2", "--process-id", str(i)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    try:
+        deadline = time.monotonic() + 300
+        while not _healthy(port):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.5)
+        assert _complete(port, model) == served_text
+        assert _complete(port, model, stream=True) == served_text
+        procs[0].send_signal(signal.SIGINT)
+        for p in procs:
+            assert p.wait(timeout=60) == 0, p.stdout.read()[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def _healthy(port: int) -> bool:

@@ -60,6 +60,12 @@ def shards(engine) -> dict:
     return found
 
 
+if args.get("forever"):  # generate until killed (the process-failure test)
+    engine_llm = llm(*args["runs"][0])
+    print("GENERATING", flush=True)
+    while True:
+        engine_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+
 out = {"ids": {}}
 for model, tp in args["runs"]:
     engine_llm = llm(model, tp)
