@@ -237,7 +237,7 @@ def test_serve_on_two_processes(tp_models, served_text):
     procs = [subprocess.Popen(
         [sys.executable, "-m", "jaxpaged.cli", "serve", "--model", model, "--port", str(port),
          "--tensor-parallel-size", "4", "--no-precompile", "--max-model-len", "256",
-         "--num-kv-blocks", "64", "--max-num-batched-tokens", "48", "--coordinator-address",
+         "--num-kv-blocks", "64", "--coordinator-address",
          address, "--num-processes", "2", "--process-id", str(i)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
     try:

@@ -29,8 +29,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 
 def llm(model, tp):
     kw = dict(tensor_parallel_size=tp, max_model_len=256, num_kv_blocks=64, precompile=False,
-              attention_backend=args.get("backend", "auto"),
-              max_num_batched_tokens=48)  # the long prompt takes several chunks
+              attention_backend=args.get("backend", "auto"))
     if args.get("distributed"):
         address, num, pid = args["distributed"]
         kw.update(coordinator_address=address, num_processes=num, process_id=pid)
