@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "jaxpaged/engine-call/"
 POLL_MS = 5_000  # how long a follower waits on the store before it checks again
+# Calls kept in the store behind the newest. A step that runs the model is a collective of all
+# processes, so no follower is more than a step's calls behind process 0; a step that schedules
+# nothing is not, hence the margin.
+KEPT_CALLS = 1024
 
 
 def _client():
@@ -59,7 +63,7 @@ class LeaderEngine:
         self._engine = engine
         self._client = _client()
         self._num_calls = 0
-        self._last_step_call = -1
+        self._num_deleted = 0  # calls 0 .. _num_deleted - 1 are gone from the store
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -80,13 +84,10 @@ class LeaderEngine:
 
     def step(self):
         self._publish("step")
-        call = self._num_calls - 1
         outputs = self._engine.step()
-        # Every process has entered this step's collectives, so all have read the calls
-        # before the previous step: those keys can go.
-        for old in range(max(self._last_step_call, 0), call):
-            self._client.key_value_delete(f"{KEY_PREFIX}{old}")
-        self._last_step_call = call
+        while self._num_deleted < self._num_calls - KEPT_CALLS:
+            self._client.key_value_delete(f"{KEY_PREFIX}{self._num_deleted}")
+            self._num_deleted += 1
         return outputs
 
     def shutdown(self) -> None:

@@ -33,7 +33,10 @@ def init_distributed(coordinator_address: str, num_processes: int, process_id: i
 
     Raises:
       ValueError: a bad argument (named).
-      RuntimeError: the others did not all join within `timeout_s` seconds (jax's error).
+
+    If the others have not all joined within `timeout_s` seconds, jax's runtime ends the process
+    ("Terminating process because the JAX distributed service detected fatal errors ...
+    DEADLINE_EXCEEDED"), after the warning this logs on joining.
     """
     if not isinstance(coordinator_address, str) or ":" not in coordinator_address:
         raise ValueError(f"coordinator_address must be 'host:port', got {coordinator_address!r}")
@@ -41,7 +44,10 @@ def init_distributed(coordinator_address: str, num_processes: int, process_id: i
         raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
     if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id!r}")
-    logger.info("process %d of %d: joining %s", process_id, num_processes, coordinator_address)
+    # A warning, so that it shows without logging set up: when the others do not come, jax ends
+    # this process from its C++ runtime, with no Python exception to tell what it waited for.
+    logger.warning("process %d of %d: joining the others at %s (waiting up to %d s)",
+                   process_id, num_processes, coordinator_address, timeout_s)
     jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                initialization_timeout=timeout_s,
                                heartbeat_timeout_seconds=timeout_s)
