@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -30,6 +31,7 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Sequence
 from jaxpaged.stop_strings import StopStringState
+from jaxpaged.structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +142,8 @@ class LLMEngine:
           InvalidRequestError (a ValueError), naming the field: a bad prompt (see
           `tokenize_prompt`); token ids past the vocabulary; more completions (`best_of` or `n`)
           than `max_num_seqs` runs at once; `prompt_logprobs` over a prompt longer than
-          `max_num_batched_tokens` (it is computed in one step); a request id in use.
+          `max_num_batched_tokens` (it is computed in one step); a request id in use; an
+          invalid `structured_outputs` schema, regex or grammar.
         """
         self._check_alive()
         if not isinstance(params, SamplingParams):
@@ -159,6 +162,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**63))
         # One sequence is prefilled; it forks into the n completions right after (block sharing).
         seq = Sequence(request_id, 0, ids, params, seed)
+        if params.structured_outputs is not None:
+            seq.matcher = self.grammar_compiler.matcher(params.structured_outputs)
         seq.num_forks = (params.best_of or params.n) - 1
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[request_id] = Request(request_id, text, ids, [seq], [detok],
@@ -166,6 +171,12 @@ class LLMEngine:
                                             RequestMetrics(arrival_time=time.time()))
         self.scheduler.add(seq)
         return request_id
+
+    @functools.cached_property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles and caches `structured_outputs` constraints for this model's tokenizer
+        (thread-safe: the server compiles on its preprocessing threads)."""
+        return GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
 
     def _check_alive(self) -> None:
         """Raises `EngineDeadError` once a fatal fault has stopped the engine."""

@@ -30,6 +30,7 @@ from jaxpaged.pallas_kernels import KV_CACHE_SPEC, StepLimits, copy_blocks
 from jaxpaged.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence, completion_seed
+from jaxpaged.structured_outputs import allocate_bitmask, fill_bitmask
 
 WARM_UP_TOKENS = 2048  # `precompile` also runs each shape of at most this many tokens once
 
@@ -289,6 +290,9 @@ class ModelRunner:
         use_penalties = any(p.repetition_penalty != 1 or p.frequency_penalty
                             or p.presence_penalty for p in params)
         bias = np.zeros((R, V), np.float32) if use_bias else None
+        # Structured outputs: each constrained sample's allowed tokens (the others allow all).
+        use_bitmask = any(seq.matcher is not None for _, seq, _ in samples)
+        bitmask = allocate_bitmask(R, V) if use_bitmask else None
         counts = np.zeros((R, V), np.int32) if use_penalties else None
         prompt_mask = np.zeros((R, V), bool) if use_penalties else None
         for i, ((row, seq, j), p) in enumerate(zip(samples, params)):
@@ -300,13 +304,15 @@ class ModelRunner:
                 f[name][i] = getattr(p, name)
             if use_bias:
                 self._fill_bias(bias[i], seq)
+            if seq.matcher is not None:
+                fill_bitmask(seq.matcher, bitmask, i)
             if use_penalties:
                 np.add.at(counts[i], seq.output_token_ids, 1)
                 prompt_mask[i, seq.token_ids[:seq.num_prompt_tokens]] = True
         md = SamplingMetadata(
             temperature=f["temperature"], top_k=top_k, top_p=f["top_p"],
             min_p=f["min_p"] if f["min_p"].any() else None, seeds=seeds,
-            output_index=output_index, logit_bias=bias,
+            output_index=output_index, logit_bias=bias, token_bitmask=bitmask,
             output_counts=counts, prompt_mask=prompt_mask,
             repetition_penalty=f["repetition_penalty"] if use_penalties else None,
             frequency_penalty=f["frequency_penalty"] if use_penalties else None,

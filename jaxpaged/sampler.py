@@ -55,6 +55,9 @@ class SamplingMetadata:
     output_index: jax.Array  # i32[R] tokens generated before this one
     min_p: jax.Array | None = None  # f32[R] in [0, 1]
     logit_bias: jax.Array | None = None  # f32[R, V] added to the logits; -inf masks a token
+    # i32[R, ceil(V / 32)]: bit t % 32 of word t // 32 set where token t is allowed (structured
+    # outputs' grammars, `jaxpaged.structured_outputs`)
+    token_bitmask: jax.Array | None = None
     output_counts: jax.Array | None = None  # i32[R, V] occurrences in the output so far
     prompt_mask: jax.Array | None = None  # bool[R, V] token occurs in the prompt
     repetition_penalty: jax.Array | None = None  # f32[R]
@@ -248,6 +251,8 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
       `SamplerOutput` with i32[R] token ids and their raw log-probabilities.
     """
     x = logits if md.logit_bias is None else logits + md.logit_bias
+    if md.token_bitmask is not None:
+        x = jnp.where(unpack_bitmask(md.token_bitmask, x.shape[-1]), x, -jnp.inf)
     if md.output_counts is not None:
         x = apply_penalties(x, md)
     if all_greedy:
@@ -271,6 +276,12 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
 
 
 sample_jit = jax.jit(sample, static_argnames=("all_greedy", "num_logprobs"))
+
+
+def unpack_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
+    """bool[R, V] from i32[R, ceil(V / 32)] (token t: bit t % 32 of word t // 32)."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
 @jax.jit

@@ -9,6 +9,7 @@ import math
 
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.stop_strings import StopStrings
+from jaxpaged.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for per token (vLLM's default)
 MAX_STOP_STRINGS = 64  # stop strings per request
@@ -56,6 +57,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     allowed_token_ids: list[int] | None = None  # if set, only these tokens can be sampled
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # A JSON schema, regex, choice or grammar the output must follow (`structured_outputs`).
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: StopStrings | None = dataclasses.field(  # the automaton over `stop`
         default=None, init=False, repr=False, compare=False)
 
@@ -121,6 +124,9 @@ class SamplingParams:
                 bad(field, "must be a bool")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", "must be a RequestOutputKind")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
         # The n best of best_of completions are known only at the end, and their indices change
         # then, which deltas sent earlier cannot follow.
         if self.output_kind is RequestOutputKind.DELTA and self.best_of not in (None, self.n):

@@ -212,7 +212,8 @@ class Scheduler:
         per completion) forks into its other completions first (n > 1, after the prompt), then
         each gets its token appended and is finished when the token ends it: EOS (unless
         `ignore_eos`) or one of `stop_token_ids` once `min_tokens` are out, `max_tokens`, or
-        `max_model_len` (stop strings need the text, so the engine checks those). Rows of
+        `max_model_len`, or a structured output's grammar completed (its matcher advances on
+        each token here); stop strings need the text, so the engine checks those. Rows of
         `skip_request_ids` (requests a fault in the step was traced to, whose K/V cannot be
         trusted) are left as they were.
         """
@@ -232,6 +233,8 @@ class Scheduler:
             for target, token in zip(targets, sampled[row]):
                 target.token_ids.append(token.token_id)
                 target.cumulative_logprob += token.logprob
+                if target.matcher is not None:
+                    target.matcher.consume_token(token.token_id)
                 self._check_stop(target)
             appended.append((row, list(zip(targets, sampled[row]))))
         return StepUpdate(num_prompt_tokens, appended)
@@ -250,6 +253,8 @@ class Scheduler:
             self.finish(seq, "stop")
         elif may_stop and token_id in p.stop_token_ids:
             self.finish(seq, "stop", stop_reason=token_id)
+        elif seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
+            self.finish(seq, "stop")
         elif (seq.num_output_tokens == p.max_tokens
               or seq.num_tokens >= self.config.max_model_len):
             self.finish(seq, "length")

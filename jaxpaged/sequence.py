@@ -51,6 +51,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
+        # Structured outputs: the grammar's state after this sequence's output tokens
+        # (`llguidance.LLMatcher`), None when the request has no constraint.
+        self.matcher = None
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +79,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
+        child.matcher = None if self.matcher is None else self.matcher.deep_copy()
         return child
 
     def __repr__(self) -> str:

@@ -1,0 +1,141 @@
+"""Structured outputs on the default model: sampled outputs under a JSON schema, a regex or a
+choice always meet it; a constraint the greedy output already meets changes nothing; the
+constraint holds with n > 1, seeds, chunked prefill and preemption, and stop strings still
+end it; a bad
+schema, regex or grammar is a ValueError naming it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from jaxpaged import SamplingParams
+from jaxpaged.structured_outputs import StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {"type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 16},
+                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+QUESTION = [{"role": "user", "content": "Describe a user of a website as a JSON object."}]
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    from jaxpaged import LLM
+
+    return LLM(default_model_dir, precompile=False, max_model_len=1024, num_kv_blocks=1024)
+
+
+def constrained(**kw) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**kw)
+
+
+def test_fifty_sampled_outputs_meet_a_nested_schema(llm):
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=256,
+                             structured_outputs=constrained(json=SCHEMA)) for i in range(50)]
+    outputs = llm.chat([QUESTION] * 50, params, use_tqdm=False)
+    for out in outputs:
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), SCHEMA)
+    assert len({o.outputs[0].text for o in outputs}) > 40  # sampled, not one answer
+
+
+def test_regex_and_choice(llm):
+    regex = r"[A-Z][a-z]{2,8} [0-9]{3}-[0-9]{4}"
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=32,
+                             structured_outputs=constrained(regex=regex)) for i in range(8)]
+    for out in llm.generate(["A name and a phone number:"] * 8, params, use_tqdm=False):
+        assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"
+    choices = ["red", "green", "blue", "light blue"]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=8,
+                             structured_outputs=constrained(choice=choices)) for i in range(8)]
+    texts = [o.outputs[0].text for o in llm.generate(["My favourite colour is"] * 8, params,
+                                                     use_tqdm=False)]
+    assert set(texts) <= set(choices) and len(set(texts)) > 1, texts
+
+
+def test_greedy_output_that_meets_the_schema_is_unchanged(llm):
+    """SmolLM2's greedy answer here is already `{"city": "Paris", "country": "FRANCE"}` and
+    then EOS: under the schema it is the same tokens, ending when the object closes."""
+    messages = [{"role": "user", "content": 'Give the capital of France as JSON: {"city": ..., '
+                 '"country": ...}. No other text.'}]
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                                "country": {"type": "string"}},
+              "required": ["city", "country"]}
+    free = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40),
+                    use_tqdm=False)[0].outputs[0]
+    json.loads(free.text)  # the premise: unconstrained, it already meets the schema
+    bound = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40,
+                                              structured_outputs=constrained(json=schema)),
+                     use_tqdm=False)[0].outputs[0]
+    assert bound.text == free.text
+    assert bound.token_ids == free.token_ids[:len(bound.token_ids)]
+    assert len(bound.token_ids) >= len(free.token_ids) - 1  # at most the EOS less
+
+
+def test_stop_strings_end_a_constrained_output(llm):
+    """A stop string ends the output where it appears, as without a constraint (inside a JSON
+    value too: a stop string can cut JSON short, as in vLLM)."""
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=8, stop=[" "],
+                             structured_outputs=constrained(choice=["red apple", "green pear"]))
+              for i in range(4)]
+    for out in llm.generate(["I would like a"] * 4, params, use_tqdm=False):
+        completion = out.outputs[0]
+        assert completion.text in ("red", "green") and completion.stop_reason == " "
+
+
+def test_with_n_seeds_chunks_and_preemption(make_llm, default_model_dir):
+    """n = 3 under a schema on an engine that chunks prompts (16-token steps) and preempts
+    (a pool of 24 blocks of 16 tokens): every completion meets it, and the same seeds give the
+    same completions as on an engine with room for all."""
+    question = [{"role": "user", "content": "Describe a user of a website as a JSON object. "
+                 "Use short names and keep it brief, please, as this is a test."}]
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=160,
+                            structured_outputs=constrained(json=SCHEMA))
+    roomy = make_llm(default_model_dir, max_model_len=256, num_kv_blocks=256)
+    tight = make_llm(default_model_dir, max_model_len=256, num_kv_blocks=24,
+                     max_num_batched_tokens=16, long_prefill_token_threshold=16)
+    want = roomy.chat([question] * 2, params, use_tqdm=False)
+    got = tight.chat([question] * 2, params, use_tqdm=False)
+    assert tight.stats()["num_preemptions"] > 0
+    for w, g in zip(want, got):
+        for a, b in zip(w.outputs, g.outputs):
+            jsonschema.validate(json.loads(b.text), SCHEMA)
+            assert a.text == b.text
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(json={"type": "bogus"}), r"(?s)structured_outputs\.json is invalid: .*bogus"),
+    (dict(json="{not json"), r"structured_outputs\.json is invalid"),
+    (dict(regex="a(b"), r"(?s)structured_outputs\.regex is invalid: .*unclosed group"),
+    (dict(grammar="start: undefined_rule"), r"structured_outputs\.grammar is invalid"),
+])
+def test_a_bad_constraint_is_a_value_error_naming_it(llm, kw, message):
+    with pytest.raises(ValueError, match=message) as info:
+        llm.generate("x", SamplingParams(structured_outputs=constrained(**kw)), use_tqdm=False)
+    assert info.value.param == "structured_outputs"
+    assert llm.stats()["num_waiting"] == llm.stats()["num_running"] == 0
+
+
+def test_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, "
+                       r"json_object; got \['regex', 'choice'\]"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="got none"):
+        StructuredOutputsParams()
