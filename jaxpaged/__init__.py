@@ -10,8 +10,10 @@ from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedE
 from jaxpaged.llm import LLM
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.structured_outputs import StructuredOutputsParams
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "CompletionOutput", "EngineDeadError", "InvalidRequestError", "Logprob",
-           "RequestFailedError", "RequestOutput", "RequestOutputKind", "SamplingParams"]
+           "RequestFailedError", "RequestOutput", "RequestOutputKind", "SamplingParams",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"

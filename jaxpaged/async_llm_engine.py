@@ -128,6 +128,9 @@ class AsyncLLMEngine:
             raise EngineDeadError(str(self.dead)) from self.dead
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
+        if params.structured_outputs is not None:
+            # Compiled here, off the engine's thread; the engine then copies the cached grammar.
+            await self.preprocess(self.engine.grammar_compiler.matcher, params.structured_outputs)
         self.start()
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream

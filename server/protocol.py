@@ -2,7 +2,8 @@
 
 Field names, defaults and ranges follow OpenAI's API reference for `/v1/completions` and
 `/v1/chat/completions` (temperature in [0, 2], penalties in [-2, 2], ...), plus vLLM's extra
-sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, ...).
+sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, ...) and
+structured outputs (`response_format`, vLLM's `structured_outputs` and its older `guided_*`).
 Types are strict, as in OpenAI's schema: no string-to-number or number-to-bool coercion (`"4"`
 is not an int, `true` not a number, `"yes"` not a bool), and numbers must be finite. A value
 that fails validation gets a 400 naming the field. Unknown request fields are ignored, as
@@ -12,11 +13,13 @@ OpenAI's own API and vLLM do, and logged (`ignored_fields`).
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
+from jaxpaged.errors import InvalidRequestError
 from jaxpaged.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from jaxpaged.structured_outputs import StructuredOutputsParams
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 # JSON object keys are strings: logit_bias's token ids are the one place a string becomes an int.
@@ -38,6 +41,30 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False  # one last chunk with empty `choices` and the usage
+
+
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` extra field (one of these set)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingRequest(_Request):
@@ -66,6 +93,52 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older
+    # guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @property
+    def constraint_field(self) -> str:
+        """The field that sets the constraint, to name in errors."""
+        names = ["structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar", "response_format"]
+        return next((n for n in names if getattr(self, n) is not None), "structured_outputs")
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint; raises InvalidRequestError naming the
+        field when it is malformed or when several fields set one."""
+        found = []
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            found.append(("structured_outputs", dict(json=so.json_, regex=so.regex,
+                                                     choice=so.choice, grammar=so.grammar,
+                                                     json_object=so.json_object)))
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f"guided_{name}") is not None:
+                found.append((f"guided_{name}", {name: getattr(self, f"guided_{name}")}))
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", dict(json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise InvalidRequestError("response_format", "response_format of type "
+                                          "json_schema needs a json_schema")
+            found.append(("response_format", dict(json=fmt.json_schema.schema_)))
+        if len(found) > 1:
+            raise InvalidRequestError(found[1][0], f"set one structured output constraint, got "
+                                      f"{[name for name, _ in found]}")
+        if not found:
+            return None
+        name, kw = found[0]
+        try:
+            return StructuredOutputsParams(**kw)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(name, str(e)) from e
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None, best_of: int | None = None
@@ -83,7 +156,7 @@ class _SamplingRequest(_Request):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            logit_bias=self.logit_bias,
+            logit_bias=self.logit_bias, structured_outputs=self.constraint(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
     @property

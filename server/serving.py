@@ -187,7 +187,8 @@ class OpenAIServing:
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, [p[:2] for p in prompts], make_params,
-                                  {"prompt_logprobs": "logprobs"})
+                                  {"prompt_logprobs": "logprobs",
+                                   "structured_outputs": req.constraint_field})
         if prompt_only:
             streams = [_PromptOnly(stream) for stream in streams]
         if req.stream:
@@ -292,7 +293,8 @@ class OpenAIServing:
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, [prompt], make_params, {
-            "prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_param})
+            "prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_param,
+            "structured_outputs": req.constraint_field})
         if req.stream:
             return _closing(self._chat_stream(req, request_id, streams), streams)
         [final] = await self._final_outputs(streams)

@@ -139,3 +139,85 @@ def test_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="got none"):
         StructuredOutputsParams()
+
+
+# -- over HTTP -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(llm):
+    from server_utils import ServerThread
+
+    with ServerThread(llm, "smollm2") as server:
+        yield server
+
+
+def test_openai_parse_helper_returns_a_parsed_object(server):
+    """The SDK's `chat.completions.parse(response_format=<pydantic model>)` sends a strict
+    json_schema and parses the answer."""
+    import openai
+    import pydantic
+
+    class Capital(pydantic.BaseModel):
+        city: str
+        country: str
+        population_millions: int
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=300)
+    for seed in range(3):
+        reply = client.chat.completions.parse(
+            model="smollm2", response_format=Capital, temperature=1.0, seed=seed,
+            max_tokens=96,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        parsed = reply.choices[0].message.parsed
+        assert isinstance(parsed, Capital), reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "json_object"}},
+    {"structured_outputs": {"regex": "[a-z]{1,8} [0-9]{2}"}},
+    {"guided_regex": "[a-z]{1,8} [0-9]{2}"},
+    {"guided_choice": ["yes", "no"]},
+    {"guided_json": {"type": "object",
+                     "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                     "required": ["n"], "additionalProperties": False}},
+])
+def test_each_request_field_constrains(server, extra):
+    import httpx
+
+    body = {"model": "smollm2", "prompt": "Answer:", "max_tokens": 128, "temperature": 1.0,
+            "seed": 3, **extra}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["text"]
+    assert response.json()["choices"][0]["finish_reason"] == "stop", text
+    if "response_format" in extra:
+        assert isinstance(json.loads(text), dict)
+    elif "guided_json" in extra:
+        assert isinstance(json.loads(text)["n"], int)
+    elif "guided_choice" in extra:
+        assert text in ("yes", "no")
+    else:
+        assert re.fullmatch("[a-z]{1,8} [0-9]{2}", text), text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ({"guided_grammar": "start: missing"}, "guided_grammar"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+])
+def test_a_bad_constraint_is_a_400_and_the_server_keeps_serving(server, extra, param):
+    import httpx
+
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, **extra}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    ok = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
+        "model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert ok.status_code == 200
