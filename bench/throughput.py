@@ -3,6 +3,7 @@
     python bench/throughput.py --num-prompts 200                      # ShareGPT, all backends
     python bench/throughput.py --dataset random --input-len 128 --output-len 64
     python bench/throughput.py --dataset prefix --backend jaxpaged jaxpaged-no-prefix-cache
+    python bench/throughput.py --backend jaxpaged-json --out bench/results/structured-outputs.json
 
 Every backend replays exactly the same requests (written first to a JSONL file beside the JSON
 report), each generating its reference output length with EOS ignored. Sampling is vLLM's
@@ -21,6 +22,9 @@ Backends:
   jaxpaged                  the whole request set through the engine (continuous batching,
                             prefix caching on); request i sampled with seed --seed + i.
   jaxpaged-no-prefix-cache  the same with `enable_prefix_caching=False`.
+  jaxpaged-json             the structured-output workload: every request under a nested
+                            JSON schema (`JSON_SCHEMA`), against the same requests without it
+                            (`jaxpaged-json-none`), each of the same output length.
   hf                        transformers `generate`, static batches of --hf-batch-size (left
                             padding; a batch runs until its longest request ends).
   hf-cb                     transformers' continuous batching (`init_continuous_batching`,
@@ -83,15 +87,22 @@ def make_requests(args, tokenizer, vocab_size: int) -> list[dict]:
 
 # -- backends ---------------------------------------------------------------------------------
 
-def run_jaxpaged(requests, args, enable_prefix_caching: bool = True) -> dict:
-    from jaxpaged import LLM, SamplingParams
+def build_llm(requests, args, enable_prefix_caching: bool = True):
+    """(LLM, seconds to build it, compilation included)."""
+    from jaxpaged import LLM
 
     max_len = max(len(r["prompt_token_ids"]) + r["output_len"] for r in requests)
     start = time.perf_counter()
     llm = LLM(args.model, max_model_len=max(max_len, args.max_model_len),
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=enable_prefix_caching,
               precompile=args.warmup == "precompile")
-    startup = time.perf_counter() - start
+    return llm, time.perf_counter() - start
+
+
+def run_jaxpaged(requests, args, enable_prefix_caching: bool = True) -> dict:
+    from jaxpaged import SamplingParams
+
+    llm, startup = build_llm(requests, args, enable_prefix_caching)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     results = {}
     for suffix, sampling in [("", sampling_settings(args))] + (
@@ -233,7 +244,60 @@ def _hf_model(args):
                                                 dtype=torch.float32).eval()
 
 
+# The structured-output workload's schema: nested, with an enum, arrays and required fields;
+# its free-text fields leave the length to the model.
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "sentiment": {"enum": ["positive", "neutral", "negative"]},
+        "keywords": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+        "answer": {"type": "object", "properties": {
+            "summary": {"type": "string"}, "confidence": {"type": "number"},
+            "steps": {"type": "array", "items": {"type": "string"}}},
+            "required": ["summary", "confidence", "steps"]},
+    },
+    "required": ["title", "sentiment", "keywords", "answer"],
+}
+
+
+def run_jaxpaged_json(requests, args) -> dict:
+    """The structured-output workload: every request under `JSON_SCHEMA` (up to its reference
+    output length; the grammar ends most earlier), against the same requests unconstrained,
+    each generating (EOS ignored) exactly the tokens its constrained run did. The constrained
+    pass runs once untimed first: it sets the lengths and compiles the masked sampler."""
+    from jaxpaged import SamplingParams, StructuredOutputsParams
+
+    llm, startup = build_llm(requests, args)
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
+    schema = StructuredOutputsParams(json=JSON_SCHEMA)
+    constrained = [SamplingParams(max_tokens=r["output_len"], seed=args.seed + i,
+                                  structured_outputs=schema, **sampling_settings(args))
+                   for i, r in enumerate(requests)]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, constrained, use_tqdm=False)
+    cold = time.perf_counter() - start
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    finished = [{**r, "output_len": n} for r, n in zip(requests, lengths)]
+    free = [SamplingParams(max_tokens=n, ignore_eos=True, seed=args.seed + i,
+                           **sampling_settings(args)) for i, n in enumerate(lengths)]
+    results = {}
+    for suffix, params in [("-none", free), ("", constrained)]:
+        llm.reset_prefix_cache()
+        compiles = llm.stats()["num_compilations"]
+        result = run_jaxpaged_timed(llm, prompts, params, finished)
+        result.update(output_lens=lengths, sampling=sampling_settings(args), startup_s=startup,
+                      cold_elapsed_s=cold, num_compilations_warmup=compiles,
+                      num_compilations_timed=llm.stats()["num_compilations"] - compiles,
+                      num_finished_by_grammar=sum(o.outputs[0].finish_reason == "stop"
+                                                  for o in outputs),
+                      json_schema=JSON_SCHEMA if suffix == "" else None)
+        results[suffix] = result
+    return results
+
+
 BACKENDS = {"jaxpaged": run_jaxpaged,
+            "jaxpaged-json": run_jaxpaged_json,
             "jaxpaged-no-prefix-cache": lambda reqs, args: run_jaxpaged(reqs, args, False),
             "hf": lambda reqs, args: {"": run_hf(reqs, args)},
             "hf-cb": lambda reqs, args: {"": run_hf_cb(reqs, args)}}
@@ -339,22 +403,25 @@ def main(argv=None) -> dict:
               flush=True)
         for suffix, r in BACKENDS[name](requests, args).items():
             elapsed = r["elapsed_s"]
-            computed = model_flops(config, requests, r.get("num_cached_tokens", 0))
+            done = requests if "output_lens" not in r else [  # lengths of its own
+                {**q, "output_len": n} for q, n in zip(requests, r.pop("output_lens"))]
+            computed = model_flops(config, done, r.get("num_cached_tokens", 0))
+            generated = sum(q["output_len"] for q in done)
             r.update(requests_per_s=len(requests) / elapsed,
-                     output_tokens_per_s=num_out / elapsed,
-                     total_tokens_per_s=(num_in + num_out) / elapsed,
+                     output_tokens_per_s=generated / elapsed,
+                     total_tokens_per_s=(num_in + generated) / elapsed,
                      model_flops=computed, model_flops_per_s=computed / elapsed,
                      mfu=computed / elapsed / peak)
             results[name + suffix] = r
-    sampled = [n for n in results if not n.endswith("-greedy")]
+    sampled = [n for n in results if not n.endswith(("-greedy", "-none"))]
     ratios = {f"{mine}/{peer}": results[mine]["output_tokens_per_s"]
               / results[peer]["output_tokens_per_s"]
               for mine in sampled if mine.startswith("jaxpaged")
               for peer in sampled if peer != mine and not (
                   peer.startswith("jaxpaged") and mine != "jaxpaged")}
-    ratios.update({f"{n}/{n}-greedy": results[n]["output_tokens_per_s"]
-                   / results[n + "-greedy"]["output_tokens_per_s"]
-                   for n in sampled if n + "-greedy" in results})
+    ratios.update({f"{n}/{n}{other}": results[n]["output_tokens_per_s"]
+                   / results[n + other]["output_tokens_per_s"]
+                   for n in sampled for other in ("-greedy", "-none") if n + other in results})
     report = {"config": {k: str(v) for k, v in portable_config(args).items()},
               "run_wall_s": time.perf_counter() - run_start,  # the whole run, every backend
               "num_requests": len(requests), "num_prompt_tokens": num_in,

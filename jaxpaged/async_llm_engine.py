@@ -30,6 +30,7 @@ from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedE
 from jaxpaged.llm_engine import LLMEngine
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -130,7 +131,7 @@ class AsyncLLMEngine:
             raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
         if params.structured_outputs is not None:
             # Compiled here, off the engine's thread; the engine then copies the cached grammar.
-            await self.preprocess(self.engine.grammar_compiler.matcher, params.structured_outputs)
+            await self.compile_constraint(params.structured_outputs)
         self.start()
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
@@ -169,6 +170,11 @@ class AsyncLLMEngine:
             self._worker.submit(self._call, self.engine.abort_request, request_id)
         except RuntimeError:  # after shutdown(): the engine is gone, nothing holds blocks
             pass
+
+    async def compile_constraint(self, constraint: StructuredOutputsParams) -> None:
+        """Compiles a structured-output constraint into the grammar cache, on the
+        preprocessing pool; raises InvalidRequestError if it is invalid."""
+        await self.preprocess(self.engine.grammar_compiler.matcher, constraint)
 
     async def tokenize_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         """`InputProcessor.tokenize_prompt` on the preprocessing pool."""

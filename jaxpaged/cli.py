@@ -58,6 +58,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxpaged.server.tool_calls import TOOL_CALL_PARSERS
+
     parser = argparse.ArgumentParser(prog="jaxpaged", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one or more prompts")
@@ -79,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model name clients use; default: --model as given")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (the default when a chat sends tools): the '
+                   "model's own tool calls are read with --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                   help="the model's tool-call syntax (hermes: <tool_call>{json}</tool_call>, "
+                   "as Hermes 2 Pro and Qwen2.5 write)")
     sub.add_parser("prepare", help="import the embedded default model into $JAXPAGED_HOME")
     imp = sub.add_parser("import", help="import a llama.cpp GGUF file into a Hugging Face folder "
                          "(config, tokenizer, float32 safetensors) that --model can load")
@@ -184,6 +192,8 @@ def _serve(args: argparse.Namespace) -> int:
     from jaxpaged.multihost import LeaderEngine, follow
     from jaxpaged.server import run_server
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     llm = _build_llm(args)
     if args.num_processes > 1 and args.process_id > 0:
         try:
@@ -198,7 +208,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         return run_server(llm, model_name, host=args.host, port=args.port,
                           api_key=args.api_key, model_root=str(args.model or DEFAULT_MODEL),
-                          log_level=args.log_level)
+                          log_level=args.log_level,
+                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
+                          else None)
     finally:
         if args.num_processes > 1:
             llm.llm_engine.shutdown()

@@ -57,10 +57,13 @@ class InputProcessor:
         return text, ids
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> tuple[str, list[int]]:
+                    continue_final_message: bool = False, tools: list[dict] | None = None
+                    ) -> tuple[str, list[int]]:
         """(text, token ids) of a conversation rendered with the model's chat template.
 
         The template adds the special tokens, so the text is tokenized without adding more.
+        `tools` (OpenAI's `[{"type": "function", "function": {...}}]`) go to the template,
+        which shows them to the model if it was written to (templates that ignore them do).
 
         Raises:
           InvalidRequestError (param "messages"): the conversation is empty or the template
@@ -71,7 +74,8 @@ class InputProcessor:
             raise InvalidRequestError("messages", "messages is empty: give at least one message")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                messages, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message)
         except jinja2.TemplateError as e:
             raise InvalidRequestError(

@@ -138,7 +138,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict] | None = None
+             ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, via the model's chat template.
 
         Args:
@@ -146,6 +147,8 @@ class LLM:
           add_generation_prompt: end the prompt with the template's assistant header.
           continue_final_message: leave the last message open, so the reply continues it
             (exclusive with `add_generation_prompt`).
+          tools: OpenAI-style tool definitions, passed to the chat template (the output is
+            not parsed; constrain it with `StructuredOutputsParams` to get calls).
 
         Raises:
           ValueError: an empty conversation, or one the chat template rejects.
@@ -156,7 +159,7 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text, ids = self.llm_engine.chat_prompt(conversation, add_generation_prompt,
-                                                    continue_final_message)
+                                                    continue_final_message, tools)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -129,10 +129,11 @@ class LLMEngine:
         return self.input_processor.tokenize_prompt(prompt)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> tuple[str, list[int]]:
+                    continue_final_message: bool = False, tools: list[dict] | None = None
+                    ) -> tuple[str, list[int]]:
         """`InputProcessor.chat_prompt`."""
         return self.input_processor.chat_prompt(messages, add_generation_prompt,
-                                                continue_final_message)
+                                                continue_final_message, tools)
 
     def add_request(self, prompt: str | dict, params: SamplingParams,
                     request_id: str | None = None) -> str:

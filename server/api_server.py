@@ -36,13 +36,15 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-              model_root: str | None = None) -> Starlette:
-    """The app serving `engine` as model `model_name`; `/v1/*` needs `api_key` if one is set.
+              model_root: str | None = None, tool_call_parser: str | None = None) -> Starlette:
+    """The app serving `engine` as model `model_name`; `/v1/*` needs `api_key` if one is set;
+    `tool_call_parser` (a name in `tool_calls.TOOL_CALL_PARSERS`) allows `tool_choice="auto"`.
 
     The engine's step loop starts and stops with the app (its lifespan).
     """
     metrics = ServerMetrics(engine, model_name)
-    serving = OpenAIServing(engine, model_name, on_finished=metrics.observe_finished)
+    serving = OpenAIServing(engine, model_name, on_finished=metrics.observe_finished,
+                            tool_call_parser=tool_call_parser)
 
     async def completions(request: Request) -> Response:
         req = await _parse(request, api.CompletionRequest)
@@ -75,7 +77,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
             _, ids = await serving.chat_prompt(req.messages, req.add_generation_prompt,
-                                               req.continue_final_message)
+                                               req.continue_final_message, req.tools)
         else:
             ids = await engine.tokenize(req.prompt, req.add_special_tokens)
         return JSONResponse(api.TokenizeResponse(
@@ -204,15 +206,15 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
 
 def run_server(llm: jaxpaged.LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, model_root: str | None = None,
-               log_level: str = "info") -> int:
+               log_level: str = "info", tool_call_parser: str | None = None) -> int:
     """Serves `llm`'s engine with uvicorn until interrupted (returns 0), or until a fatal fault
     stops the engine or the server cannot start, say on a port in use (returns 1: the exit
-    status of `jaxpaged serve`, for a supervisor)."""
+    status of `jaxpaged serve`, for a supervisor). `tool_call_parser`: see `build_app`."""
     import uvicorn
 
     _log_like_uvicorn(log_level)
     engine = AsyncLLMEngine(llm.llm_engine)
-    app = build_app(engine, model_name, api_key, model_root)
+    app = build_app(engine, model_name, api_key, model_root, tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     engine.on_dead(lambda: setattr(server, "should_exit", True))
     try:

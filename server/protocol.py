@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from jaxpaged.server.tool_calls import FUNCTION_NAME_PATTERN, tool_constraint
 from jaxpaged.structured_outputs import StructuredOutputsParams
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -180,10 +181,44 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -195,6 +230,58 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def functions(self) -> dict[str, dict | None]:
+        """The tools' functions: name -> parameters schema (None: no arguments)."""
+        return {t.function.name: t.function.parameters for t in self.tools or []}
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required", or the named function's name; tools without
+        `tool_choice` mean "auto", as in OpenAI's API.
+
+        Raises:
+          InvalidRequestError (param "tool_choice" or "tools"): a choice that needs tools
+            without them, an unknown function, or two tools of one name.
+        """
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise InvalidRequestError("tools", f"tools has two functions of one name: {names}")
+        if choice is None:
+            return "auto" if names else "none"
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise InvalidRequestError("tool_choice", f"tool_choice names function "
+                                          f"{choice.function.name!r}, which is not in tools "
+                                          f"{names}")
+            return choice.function.name
+        if choice != "none" and not names:
+            raise InvalidRequestError("tool_choice", f"tool_choice {choice!r} needs tools")
+        return choice
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """As for any request, or the one a required or named `tool_choice` implies (which
+        excludes any other)."""
+        mode = self.tool_mode
+        tools = tool_constraint(self.functions, mode, self.parallel_tool_calls)
+        if tools is None:
+            return super().constraint()
+        if super().constraint() is not None:
+            raise InvalidRequestError("tool_choice", f"tool_choice {self.tool_choice!r} "
+                                      f"constrains the output; it excludes "
+                                      f"{self.constraint_field}")
+        return tools
+
+    @property
+    def constraint_field(self) -> str:
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tools"
+        return super().constraint_field
 
 
 class TokenizeRequest(_Request):
@@ -203,6 +290,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # for the chat template, with messages
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -289,14 +377,18 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 
@@ -306,16 +398,32 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: `id`, `type` and the name come in its first piece only;
+    the `arguments` pieces join into its JSON text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 

@@ -23,10 +23,13 @@ from collections.abc import AsyncIterator, Callable
 from pydantic import BaseModel
 
 from jaxpaged.async_llm_engine import AsyncLLMEngine, RequestStream
-from jaxpaged.errors import EngineDeadError, RequestFailedError
+from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server import protocol as api
 from jaxpaged.server.logprobs import chat_logprobs, completion_logprobs
+from jaxpaged.server.tool_calls import (TOOL_CALL_PARSERS, NamedFunction, RequiredCalls,
+                                        ToolCallStream, parameters_schema)
+from jaxpaged.structured_outputs import StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -55,10 +58,19 @@ class OpenAIServing:
     """Handlers for one served model. `on_finished(output)` sees each finished request."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str,
-                 on_finished: Callable[[RequestOutput], None] = lambda output: None):
+                 on_finished: Callable[[RequestOutput], None] = lambda output: None,
+                 tool_call_parser: str | None = None):
+        """`tool_call_parser`: a name in `TOOL_CALL_PARSERS`, to allow `tool_choice="auto"`.
+
+        Raises:
+          ValueError: an unknown `tool_call_parser`."""
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser {tool_call_parser!r} is not one of "
+                             f"{sorted(TOOL_CALL_PARSERS)}")
         self.engine = engine
         self.model_name = model_name
         self.on_finished = on_finished
+        self.tool_call_parser = tool_call_parser
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -280,8 +292,9 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        tool_calls = await self._tool_calls(req)
         prompt = await self.chat_prompt(req.messages, req.add_generation_prompt,
-                                        req.continue_final_message)
+                                        req.continue_final_message, req.tools)
         requested = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
 
@@ -296,23 +309,63 @@ class OpenAIServing:
             "prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_param,
             "structured_outputs": req.constraint_field})
         if req.stream:
-            return _closing(self._chat_stream(req, request_id, streams), streams)
+            return _closing(self._chat_stream(req, request_id, streams, tool_calls), streams)
         [final] = await self._final_outputs(streams)
-        choices = [api.ChatChoice(index=c.index, message=api.AssistantMessage(content=c.text),
-                                  logprobs=self._chat_logprobs(req, c.token_ids, c.logprobs),
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = _assistant_message(c, tool_calls)
+            choices.append(api.ChatChoice(
+                index=c.index, message=message, finish_reason=finish_reason,
+                logprobs=self._chat_logprobs(req, c.token_ids, c.logprobs),
+                stop_reason=c.stop_reason))
         return api.ChatCompletionResponse(id=request_id, model=self.model_name,
                                           choices=choices, usage=self._usage([final]))
 
+    async def _tool_calls(self, req: api.ChatCompletionRequest
+                          ) -> Callable[[], ToolCallStream] | None:
+        """What reads each choice's tool calls (None: plain text, no tools or "none"), after
+        checking the tools: each function's parameters must compile as a JSON schema.
+
+        Raises:
+          APIError: 400 naming `tools` or `tool_choice`.
+        """
+        try:
+            mode = req.tool_mode
+        except InvalidRequestError as e:
+            raise APIError(str(e), param=e.param) from e
+        for i, (name, parameters) in enumerate(req.functions.items()):
+            try:
+                await self.engine.compile_constraint(
+                    StructuredOutputsParams(json=parameters_schema(parameters)))
+            except InvalidRequestError as e:
+                raise APIError(f"tools[{i}] ({name}): the function's parameters are not a JSON "
+                               f"schema this server can follow: {e}", param="tools") from e
+        max_calls = None if req.parallel_tool_calls else 1
+        if mode == "none":
+            return None
+        if mode == "auto":
+            if self.tool_call_parser is None:
+                raise APIError('tool_choice "auto" (the default with tools) needs the server '
+                               'started with --enable-auto-tool-choice and --tool-call-parser; '
+                               'or ask for "required", a named function, or "none"',
+                               param="tool_choice")
+            parser = TOOL_CALL_PARSERS[self.tool_call_parser]
+            return lambda: ToolCallStream(parser(), max_calls)
+        if mode == "required":
+            return lambda: ToolCallStream(RequiredCalls(), max_calls)
+        return lambda: ToolCallStream(NamedFunction(mode), 1)
+
     async def chat_prompt(self, messages: list[api.ChatMessage], add_generation_prompt: bool,
-                          continue_final_message: bool) -> tuple[str, list[int]]:
-        """(text, ids) of the conversation under the chat template; 400 if it is rejected."""
-        conversation = [{"role": m.role, "content": _text_content(m)} for m in messages]
+                          continue_final_message: bool, tools: list[api.ChatTool] | None = None
+                          ) -> tuple[str, list[int]]:
+        """(text, ids) of the conversation (and the tools) under the chat template; 400 if it
+        is rejected."""
+        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+        tool_dicts = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
         try:
             return await self.engine.chat_prompt(
                 conversation, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message)
+                continue_final_message=continue_final_message, tools=tool_dicts)
         except ValueError as e:
             raise APIError(str(e), param="messages") from e
 
@@ -323,20 +376,33 @@ class OpenAIServing:
             return None
         return api.ChatLogprobs(content=chat_logprobs(token_ids, logprobs, req.top_logprobs or 0))
 
-    def _chat_stream(self, req, request_id, streams) -> AsyncIterator[str]:
+    def _chat_stream(self, req, request_id, streams, tool_calls) -> AsyncIterator[str]:
         created = int(time.time())
+        readers: dict[int, ToolCallStream] = {}  # choice index -> its tool calls so far
 
         def chunk(choices, usage=None):
             return sse(_drop_none_deltas(api.ChatCompletionChunk(
                 id=request_id, created=created, model=self.model_name, choices=choices,
                 usage=usage)))
 
-        def choices_of(_: int, output: RequestOutput, progress: _Progress) -> list:
-            return [api.ChatChunkChoice(
-                index=c.index, delta=api.DeltaMessage(content=c.text),
+        def choice(c: CompletionOutput) -> api.ChatChunkChoice | None:
+            delta, finish_reason = api.DeltaMessage(content=c.text), c.finish_reason
+            if tool_calls is not None:
+                reader = readers.setdefault(c.index, tool_calls())
+                content, calls = reader.feed(c.text, final=c.finish_reason is not None)
+                if not (content or calls or c.finish_reason or (req.logprobs and c.token_ids)):
+                    return None  # held back: it may start a tool call
+                delta = api.DeltaMessage(content=content or None, tool_calls=calls or None)
+                finish_reason = reader.finish_reason(c.finish_reason)
+            return api.ChatChunkChoice(
+                index=c.index, delta=delta, finish_reason=finish_reason,
                 logprobs=self._chat_logprobs(req, c.token_ids, c.logprobs),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                for c in output.outputs if progress.advance(c.index, c, req.logprobs) is not None]
+                stop_reason=c.stop_reason)
+
+        def choices_of(_: int, output: RequestOutput, progress: _Progress) -> list:
+            return [x for c in output.outputs
+                    if progress.advance(c.index, c, req.logprobs) is not None
+                    and (x := choice(c)) is not None]
 
         roles = [api.ChatChunkChoice(index=j, delta=api.DeltaMessage(role="assistant",
                                                                       content=""))
@@ -385,6 +451,39 @@ def _split_prompts(prompt) -> list[str | dict]:
     return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
+def _template_message(index: int, message: api.ChatMessage) -> dict:
+    """A message as chat templates read it (Hugging Face's convention): text content, an
+    assistant's `tool_calls` with their arguments as a mapping, a tool's `tool_call_id`."""
+    out = {"role": message.role, "content": _text_content(message)}
+    if message.tool_calls:
+        out["tool_calls"] = []
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError as e:
+                raise APIError(f"messages[{index}].tool_calls[{j}].function.arguments is not "
+                               f"JSON: {e}", param="messages") from e
+            out["tool_calls"].append({"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": arguments}})
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _assistant_message(c: CompletionOutput, tool_calls: Callable[[], ToolCallStream] | None
+                       ) -> tuple[api.AssistantMessage, str | None]:
+    """A finished choice's message and finish reason, its tool calls read if there are tools."""
+    if tool_calls is None:
+        return api.AssistantMessage(content=c.text), c.finish_reason
+    reader = tool_calls()
+    reader.feed(c.text, final=True)
+    calls = [api.ToolCall(id=call.id, function=api.FunctionCall(
+        name=call.name, arguments=call.arguments)) for call in reader.calls]
+    content = reader.content if reader.content.strip() or not calls else None
+    return (api.AssistantMessage(content=content, tool_calls=calls),
+            reader.finish_reason(c.finish_reason))
+
+
 def _text_content(message: api.ChatMessage) -> str:
     """A message's text; content parts other than text get a 400."""
     if message.content is None or isinstance(message.content, str):
@@ -401,8 +500,8 @@ def _text_content(message: api.ChatMessage) -> str:
 def _drop_none_deltas(chunk: api.ChatCompletionChunk) -> str:
     """JSON of a chunk whose deltas carry only the fields they set (`role` once, then text)."""
     data = chunk.model_dump(mode="json")
-    for choice in data["choices"]:
-        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    for choice, original in zip(data["choices"], chunk.choices):
+        choice["delta"] = original.delta.model_dump(mode="json", exclude_none=True)
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
