@@ -38,7 +38,7 @@ run: install
 	$(BIN)/python examples/quickstart.py
 
 test: install-test
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q tests
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q --durations=30 tests
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
