@@ -30,10 +30,23 @@ def is_orbax(model_dir: str | Path) -> bool:
     return (Path(model_dir) / PARAMS_DIR / "_METADATA").is_file()
 
 
+def _tree_path(piece: Piece) -> list[str]:
+    """The piece's path in the checkpoint's tree: its key's parts (a stacked parameter's part,
+    `name#part`, is one level below the parameter)."""
+    return piece.key.replace("#", ".").split(".")
+
+
+def _lookup(tree, piece: Piece):
+    """The piece's node in a nested dict, or None if it has none."""
+    for name in _tree_path(piece):
+        tree = tree.get(name) if isinstance(tree, dict) else None
+    return tree
+
+
 def _nest(pieces: list[Piece], leaf) -> dict:
     tree: dict = {}
     for piece in pieces:
-        *parents, last = piece.key.replace("#", ".").split(".")
+        *parents, last = _tree_path(piece)
         node = tree
         for name in parents:
             node = node.setdefault(name, {})
@@ -77,9 +90,7 @@ def restore_pieces(model_dir: str | Path, plan: LoadPlan, mesh: Mesh, dtype
     checkpointer = _ocp().StandardCheckpointer()
     stored = checkpointer.metadata(path).item_metadata.tree
     for piece in plan.pieces:
-        node = stored
-        for name in piece.key.replace("#", ".").split("."):
-            node = node.get(name) if isinstance(node, dict) else None
+        node = _lookup(stored, piece)
         if node is None:
             raise ValueError(f"orbax checkpoint {str(path)!r} has no tensor {piece.key}")
         if tuple(node.shape) != piece.shape:
@@ -101,13 +112,7 @@ def restore_pieces(model_dir: str | Path, plan: LoadPlan, mesh: Mesh, dtype
                                  f"be read ({type(piece_error).__name__}: "
                                  f"{str(piece_error)[:300]})") from error
         raise ValueError(f"orbax checkpoint {str(path)!r} cannot be read: {error}") from error
-    arrays = {}
-    for piece in plan.pieces:
-        node = restored
-        for name in piece.key.replace("#", ".").split("."):
-            node = node[name]
-        arrays[piece.key] = node
-    return arrays
+    return {piece.key: _lookup(restored, piece) for piece in plan.pieces}
 
 
 def _restore_subset(path: Path, target: dict) -> dict:

@@ -52,3 +52,18 @@ class ServerThread:
         return {family.name.removeprefix("jaxpaged:"): family.samples[0].value
                 for family in text_string_to_metric_families(text)
                 if family.type in ("gauge", "counter") and family.samples}
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 free now (for a server started in another process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(port: int) -> bool:
+    """Whether a server on `port` of 127.0.0.1 answers `GET /health` with 200."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -2,16 +2,15 @@
 `jaxpaged serve` serves it over HTTP."""
 
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-import httpx
 import openai
 import pytest
 
 from jaxpaged import LLM, SamplingParams
+from server_utils import free_port, healthy
 
 
 def run_cli(*args):
@@ -45,11 +44,10 @@ def test_bad_argument_exits_with_a_clear_error(tiny_model_dir):
 @pytest.mark.slow
 def test_serve_the_default_model_to_the_openai_client(default_model_dir):
     """`jaxpaged serve` on the real model: chat and completions equal `LLM.chat` / `generate`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "jaxpaged.cli", "serve", "--port", str(port),
-                               "--max-model-len", "512", "--num-kv-blocks", "128"],
+                               "--max-model-len", "512", "--num-kv-blocks", "128",
+                               "--no-precompile"],  # precompiling is tested elsewhere
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         llm = LLM(default_model_dir, precompile=False, max_model_len=512, num_kv_blocks=128)
@@ -59,7 +57,7 @@ def test_serve_the_default_model_to_the_openai_client(default_model_dir):
         completion_want = llm.generate("The capital of France is", params,
                                        use_tqdm=False)[0].outputs[0].text
         deadline = time.monotonic() + 300
-        while not _healthy(port):
+        while not healthy(port):
             assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
             time.sleep(0.5)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=300)
@@ -76,8 +74,3 @@ def test_serve_the_default_model_to_the_openai_client(default_model_dir):
         server.wait(timeout=60)
 
 
-def _healthy(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False

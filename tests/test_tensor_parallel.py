@@ -11,19 +11,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from jaxpaged import LLM, SamplingParams, cli
 from jaxpaged.models import load_config
 from jaxpaged.parallel import make_mesh
+from server_utils import free_port, healthy
 
 WORKER = Path(__file__).parent / "tp_worker.py"
 BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -157,7 +156,7 @@ def test_serve_with_tensor_parallel_4(tp_models, served_text):
     """`jaxpaged serve --tensor-parallel-size 4` on 8 CPU devices: completions, streamed and
     not, equal one device's greedy ids."""
     model = tp_models["llama-kv2"]
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     server = subprocess.Popen(
@@ -167,7 +166,7 @@ def test_serve_with_tensor_parallel_4(tp_models, served_text):
         stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not _healthy(port):
+        while not healthy(port):
             assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
             time.sleep(0.5)
         assert _complete(port, str(model)) == served_text
@@ -177,14 +176,8 @@ def test_serve_with_tensor_parallel_4(tp_models, served_text):
         server.wait(timeout=60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_processes(args: dict, num: int = 2) -> list[subprocess.Popen]:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     return [subprocess.Popen(
         [sys.executable, str(WORKER), json.dumps({**args, "devices": 2,
                                                   "distributed": [address, num, i]})],
@@ -231,7 +224,7 @@ def test_serve_on_two_processes(tp_models, served_text):
     """`jaxpaged serve` on two processes: process 0 serves HTTP, process 1 follows its engine
     calls; both exit 0 when process 0 is interrupted."""
     model = str(tp_models["llama-kv2"])
-    address, port = f"127.0.0.1:{_free_port()}", _free_port()
+    address, port = f"127.0.0.1:{free_port()}", free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen(
@@ -242,7 +235,7 @@ def test_serve_on_two_processes(tp_models, served_text):
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
     try:
         deadline = time.monotonic() + 300
-        while not _healthy(port):
+        while not healthy(port):
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
             time.sleep(0.5)
         assert _complete(port, model) == served_text
@@ -254,10 +247,3 @@ def test_serve_on_two_processes(tp_models, served_text):
         for p in procs:
             p.kill()
             p.wait()
-
-
-def _healthy(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
