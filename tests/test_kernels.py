@@ -172,6 +172,10 @@ def test_ragged_grid_covers_query_tiles_not_rows_times_max_q_len(T, B):
     assert bound <= cdiv(T, BLOCK_Q) + B
 
 
+# One compilation per shape, rather than one per operation and shape when run eagerly.
+jitted_query_tiles = jax.jit(query_tiles, static_argnums=2)
+
+
 def test_query_tiles_map_every_row_once_and_bound_is_tight():
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -180,7 +184,7 @@ def test_query_tiles_map_every_row_once_and_bound_is_tight():
         cuts = np.sort(rng.integers(0, T + 1, num_seqs))  # any split of up to T tokens
         cu = np.concatenate([[0], cuts, np.full(B - num_seqs, T)]).astype(np.int32)
         G = max_query_tiles(T, B)
-        seq, row0, n = map(np.asarray, query_tiles(jnp.asarray(cu), num_seqs, G))
+        seq, row0, n = map(np.asarray, jitted_query_tiles(jnp.asarray(cu), num_seqs, G))
         q_lens = np.diff(cu)[:num_seqs]
         assert n[0] == sum(cdiv(q, BLOCK_Q) for q in q_lens) <= G
         covered = [cu[s] + r for s, r0 in zip(seq[:n[0]], row0[:n[0]])
