@@ -49,28 +49,34 @@ class StructuredOutputsParams:
     json_object: bool | None = None
 
     def __post_init__(self):
-        given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in
-                 (None, False)]
+        given = self._given()
         if len(given) != 1:
-            raise InvalidRequestError("structured_outputs", f"structured_outputs takes exactly one of json, regex, choice, "
-                             f"grammar, json_object; got {given or 'none'}")
+            raise InvalidRequestError(
+                "structured_outputs", f"structured_outputs takes exactly one of json, regex, "
+                f"choice, grammar, json_object; got {given or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise InvalidRequestError("structured_outputs", f"structured_outputs.json must be a JSON schema (dict or str), "
-                             f"got {type(self.json).__name__}")
+            raise InvalidRequestError(
+                "structured_outputs", f"structured_outputs.json must be a JSON schema (dict or "
+                f"str), got {type(self.json).__name__}")
         if self.choice is not None and (not self.choice or not all(
                 isinstance(c, str) and c for c in self.choice)):
-            raise InvalidRequestError("structured_outputs", f"structured_outputs.choice must be non-empty strings, got "
-                             f"{self.choice!r:.200}")
+            raise InvalidRequestError(
+                "structured_outputs", f"structured_outputs.choice must be non-empty strings, "
+                f"got {self.choice!r:.200}")
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise InvalidRequestError("structured_outputs",
                                           f"structured_outputs.{name} must be a str")
 
+    def _given(self) -> list[str]:
+        """The fields that are set."""
+        return [f.name for f in dataclasses.fields(self)
+                if getattr(self, f.name) not in (None, False)]
+
     @property
     def kind(self) -> str:
         """The field that is set ("json", "regex", ...), for error messages."""
-        return next(f.name for f in dataclasses.fields(self)
-                    if getattr(self, f.name) not in (None, False))
+        return self._given()[0]
 
     def grammar_source(self) -> str:
         """llguidance's grammar (its JSON form) for this constraint."""

@@ -267,11 +267,11 @@ class ChatCompletionRequest(_SamplingRequest):
     def constraint(self) -> StructuredOutputsParams | None:
         """As for any request, or the one a required or named `tool_choice` implies (which
         excludes any other)."""
-        mode = self.tool_mode
-        tools = tool_constraint(self.functions, mode, self.parallel_tool_calls)
+        tools = tool_constraint(self.functions, self.tool_mode, self.parallel_tool_calls)
+        other = super().constraint()
         if tools is None:
-            return super().constraint()
-        if super().constraint() is not None:
+            return other
+        if other is not None:
             raise InvalidRequestError("tool_choice", f"tool_choice {self.tool_choice!r} "
                                       f"constrains the output; it excludes "
                                       f"{self.constraint_field}")
