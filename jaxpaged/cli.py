@@ -25,14 +25,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prompts computed at most in a step that also decodes")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="blocks in the KV pool")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=2 << 30,
-                   help="KV pool budget in bytes, when --num-kv-blocks is not given")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV pool budget in bytes, when --num-kv-blocks is not given (default "
+                   "2 GiB; generate and chat take at most what their sequences can fill)")
     g.add_argument("--enable-prefix-caching", default=True,
                    action=argparse.BooleanOptionalAction,
                    help="reuse the KV blocks of common prompt prefixes")
-    g.add_argument("--precompile", default=True, action=argparse.BooleanOptionalAction,
-                   help="compile every step shape at startup (about 20 under the default "
-                   "limits), so that serving compiles nothing new")
+    g.add_argument("--precompile", default=None, action=argparse.BooleanOptionalAction,
+                   help="compile every step shape at startup (about 25 under the default "
+                   "limits), so that serving compiles nothing new; default: on for serve, off "
+                   "for generate and chat (they compile the shapes they run)")
+    g.add_argument("--compilation-cache-dir", default="auto",
+                   help="keep compiled step shapes here across runs; 'off' for none (default: "
+                   "$JAXPAGED_COMPILATION_CACHE_DIR, else $JAXPAGED_HOME/compile-cache)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "cpu", "pallas", "pallas-interpret", "xla"])
     g.add_argument("--seed", type=int, default=0,
@@ -169,20 +174,28 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_llm(args: argparse.Namespace):
+def _build_llm(args: argparse.Namespace, one_shot: bool = False,
+               kv_cache_memory_bytes: int | None = None):
+    """The engine the flags describe. A one-shot command (generate, chat) compiles only the
+    shapes it runs unless --precompile is given."""
     from jaxpaged import LLM
+
+    precompile = args.precompile
+    if precompile is None and one_shot:
+        precompile = False
 
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                long_prefill_token_threshold=args.long_prefill_token_threshold,
                max_num_partial_prefills=args.max_num_partial_prefills,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+               kv_cache_memory_bytes=(kv_cache_memory_bytes or args.kv_cache_memory_bytes
+                                      or 2 << 30),
                enable_prefix_caching=args.enable_prefix_caching,
                attention_backend=args.attention_backend, seed=args.seed,
-               precompile=args.precompile, tensor_parallel_size=args.tensor_parallel_size,
+               precompile=precompile, tensor_parallel_size=args.tensor_parallel_size,
                coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-               process_id=args.process_id)
+               process_id=args.process_id, compilation_cache_dir=args.compilation_cache_dir)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -216,12 +229,29 @@ def _serve(args: argparse.Namespace) -> int:
             llm.llm_engine.shutdown()
 
 
+def _one_shot_pool(args: argparse.Namespace, num_seqs: int) -> int | None:
+    """A one-shot command's pool: the blocks its `num_seqs` sequences of `max_model_len` can
+    fill, within the 2 GiB default (a smaller pool starts faster: its memory is zeroed)."""
+    if args.num_kv_blocks is not None or args.kv_cache_memory_bytes is not None:
+        return None
+    from jaxpaged.model_store import resolve_model
+    from jaxpaged.models import load_config
+
+    config = load_config(resolve_model(args.model))
+    max_model_len = args.max_model_len or config.max_position_embeddings
+    tokens = num_seqs * (-(-max_model_len // args.block_size) * args.block_size)
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    return min(2 << 30, tokens * per_token)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from jaxpaged import SamplingParams
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, max_tokens=args.max_tokens)
-    llm = _build_llm(args)
+    num_seqs = args.n * (1 if args.command == "chat" else len(args.prompts))
+    llm = _build_llm(args, one_shot=True,
+                     kv_cache_memory_bytes=_one_shot_pool(args, num_seqs))
     if args.command == "chat":
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.message})

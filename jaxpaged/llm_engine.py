@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from transformers import AutoTokenizer, GenerationConfig
 
+from jaxpaged import compilation_cache
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.buckets import bucket
 from jaxpaged.config import CacheConfig, SchedulerConfig
@@ -59,15 +61,20 @@ class LLMEngine:
                  long_prefill_token_threshold: int | None = None,
                  max_num_partial_prefills: int = 1,
                  cache_config: CacheConfig = CacheConfig(), attention_backend: str = "auto",
-                 seed: int = 0, precompile: bool = True, tensor_parallel_size: int = 1):
-        if not isinstance(precompile, bool):
-            raise ValueError(f"precompile must be True or False, got {precompile!r}")
+                 seed: int = 0, precompile: bool | None = None, tensor_parallel_size: int = 1,
+                 compilation_cache_dir: str | os.PathLike | None = "auto"):
+        if precompile is not None and not isinstance(precompile, bool):
+            raise ValueError(f"precompile must be True, False or None, got {precompile!r}")
+        cache_dir = compilation_cache.resolve_cache_dir(compilation_cache_dir)
+        compilation_cache.enable(cache_dir)
         # Tensor parallelism: the model and the pool split over a mesh (`jaxpaged.parallel`).
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         self.model_config = load_config(model_dir).for_tensor_parallel(tensor_parallel_size)
         self.dtype = resolve_dtype(dtype)
         backend = make_attention_backend(attention_backend, self.dtype, self.mesh)
         self.attention_backend = backend.name
+        if precompile is None:  # interpreted kernels take minutes a shape: compile as met
+            precompile = not backend.name.endswith("-interpret")
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len or self.model_config.max_position_embeddings,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -96,7 +103,7 @@ class LLMEngine:
         model = load_model(model_dir, self.model_config, self.dtype, backend, self.mesh)
         self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
                                   self.eos_token_ids, self.scheduler_config.max_num_seqs,
-                                  self.scheduler_config.max_model_len)
+                                  self.scheduler_config.max_model_len, cache_dir)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
                                    padded_tokens=bucket, eos_token_ids=self.eos_token_ids,
                                    recompute_at=self.model_config.rope_switch_length)

@@ -11,8 +11,10 @@ jitted sampler; only the sampled token ids come back to the host.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
@@ -23,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxpaged import sampler
+from jaxpaged.compilation_cache import ExecutableCache
 from jaxpaged.buckets import bucket, buckets_upto, next_power_of_2, pow2s
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import ModelConfig, ModelInput, forward
@@ -32,7 +35,9 @@ from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence, completion_seed
 from jaxpaged.structured_outputs import allocate_bitmask, fill_bitmask
 
-WARM_UP_TOKENS = 2048  # `precompile` also runs each shape of at most this many tokens once
+logger = logging.getLogger(__name__)
+
+WARM_UP_TOKENS = 8  # `precompile` also runs each shape of at most this many tokens once
 
 
 @dataclasses.dataclass
@@ -63,7 +68,7 @@ def num_kv_blocks(config: ModelConfig, cache_config: CacheConfig, dtype) -> int:
 class ModelRunner:
     def __init__(self, model: nnx.Module, cache_config: CacheConfig, num_blocks: int,
                  dtype, eos_token_ids: set[int] = frozenset(), max_num_seqs: int = 256,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, compilation_cache_dir=None):
         self.config = model.config
         self.backend = model.backend  # `pallas_kernels.backends.AttentionBackend`
         self.eos_token_ids = eos_token_ids
@@ -79,7 +84,7 @@ class ModelRunner:
         if self.mesh is None:
             self.kv_cache = jnp.zeros(shape, dtype)
             self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
-                                 static_argnums=3)
+                                 static_argnames="all_positions")
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
         else:
             # Explicit shardings: params as the loader laid them out, the pool by KV head, the
@@ -90,38 +95,50 @@ class ModelRunner:
             self.kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)()
             params = jax.tree.map(lambda x: x.sharding, self.params)
             self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
-                                 static_argnums=3,
+                                 static_argnames="all_positions",
                                  in_shardings=(params, pool, self.replicated),
                                  out_shardings=(self.replicated, pool))
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0, out_shardings=pool)
-        # Executables compiled ahead of time by `precompile`, by `_shape_key`: jax.jit does not
-        # reuse what `.lower().compile()` built, and filling its cache by calling the step on
-        # padding inputs would run every shape, seconds each for the largest on CPU.
+        # The step's and the sampler's executables by `_shape_key`, compiled ahead of time by
+        # `precompile` or when a shape is first met, each from the compilation cache when it
+        # holds it.
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self.executables = ExecutableCache(compilation_cache_dir, (
+            repr(self.config), jnp.dtype(dtype).name, self.backend.name, repr(self.limits),
+            repr(None if self.mesh is None else self.mesh.devices.tolist())))
         # Test-only: called with each `SchedulerOutput` at the start of `execute`; a hook that
         # raises stands for a fault in the step (tests of the engine's fault isolation).
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
 
     @property
     def num_compilations(self) -> int:
-        """Shapes the model step has been compiled for: by `precompile`, and by the jitted
-        step for each other bucket it has run."""
-        return len(self._compiled) + self._step._cache_size()
+        """Shapes the model step has an executable for (compiled, or loaded from the
+        compilation cache): by `precompile`, and for each other shape it has run."""
+        return sum(key[0] is self._step for key in self._compiled)
 
-    @staticmethod
-    def _shape_key(batch: ModelInput, all_positions: bool) -> tuple:
-        leaves, treedef = jax.tree.flatten(batch)
-        return treedef, tuple(np.shape(x) for x in leaves), all_positions
+    def _executable(self, jitted, args: tuple, **static) -> jax.stages.Compiled:
+        """The executable of `jitted(*args, **static)` for these shapes: this runner's, else
+        from the compilation cache (memory, then disk), else compiled."""
+        leaves, treedef = jax.tree.flatten(args)
+        key = (jitted, treedef, tuple(np.shape(x) for x in leaves), tuple(sorted(static.items())))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self.executables.get_or_compile(jitted, args, static)
+            self._compiled[key] = compiled
+        return compiled
 
     def _run_step(self, batch: ModelInput, all_positions: bool = False) -> jax.Array:
-        """Runs the model step on `batch` (its precompiled executable if there is one) and
-        keeps the updated pool; returns the logits."""
-        compiled = self._compiled.get(self._shape_key(batch, all_positions))
-        if compiled is not None:
-            logits, self.kv_cache = compiled(self.params, self.kv_cache, batch)
-        else:
-            logits, self.kv_cache = self._step(self.params, self.kv_cache, batch, all_positions)
+        """Runs the model step on `batch` and keeps the updated pool; returns the logits."""
+        args = (self.params, self.kv_cache, batch)
+        logits, self.kv_cache = self._executable(self._step, args, all_positions=all_positions)(
+            *args)
         return logits
+
+    def _sample(self, logits: jax.Array, md: SamplingMetadata, all_greedy: bool,
+                num_logprobs: int) -> sampler.SamplerOutput:
+        """`sampler.sample` on logits f32[R, V] (asynchronous: arrays still on the device)."""
+        return self._executable(sample_jit, (logits, md), all_greedy=all_greedy,
+                                num_logprobs=num_logprobs)(logits, md)
 
     def step_shapes(self, max_num_batched_tokens: int) -> list[tuple[int, bool]]:
         """Every (T, decode_only) a step can take under these limits: each token bucket up to
@@ -137,20 +154,39 @@ class ModelRunner:
         padding-only input (nothing is written to the pool): an executable's first run on CPU
         costs 0.1-0.5 s more than the later ones, which would otherwise land on a request.
         Larger shapes take seconds a step, and are left to pay it when met."""
-        for T, decode_only in tqdm(shapes, desc="Compiling step shapes", disable=not progress):
-            batch = self._padding_batch(T, decode_only)
-            key = self._shape_key(batch, False)
-            if key in self._compiled:
-                continue
-            compiled = self._step.lower(self.params, self.kv_cache, batch, False).compile()
-            self._compiled[key] = compiled
-            if T <= WARM_UP_TOKENS:
-                # Runs while the next shape compiles (dispatch is asynchronous).
-                _, self.kv_cache = compiled(self.params, self.kv_cache, batch)
+        cache = self.executables
+        loaded, compiled_before = cache.num_loaded, cache.num_compiled
+        batches = [self._padding_batch(T, decode_only) for T, decode_only in shapes]
         # `prepare_sampling` pads the sample count to a power of two.
-        sampler.precompile(self.config.vocab_size, pow2s(1, next_power_of_2(self.max_num_seqs)),
-                           None if self.mesh is None else self.replicated)
+        draws = sampler.precompile_inputs(
+            self.config.vocab_size, pow2s(1, next_power_of_2(self.max_num_seqs)),
+            None if self.mesh is None else self.replicated)
+        jobs = ([(self._step, (self.params, self.kv_cache, b), {"all_positions": False})
+                 for b in batches]
+                + [(sample_jit, (logits, md), dict(all_greedy=g, num_logprobs=0))
+                   for logits, md, g in draws])
+        bar = tqdm(total=len(jobs), desc="Compiling (or loading from the cache)",
+                   disable=not progress)
+        # Two threads: XLA compiles outside the GIL. (The runs below wait for all: XLA:CPU
+        # cannot run an executable while another one loads.)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            executables = []
+            for compiled in pool.map(lambda job: self._executable(job[0], job[1], **job[2]),
+                                     jobs):
+                executables.append(compiled)
+                bar.update()
+                bar.set_postfix(compiled=cache.num_compiled - compiled_before,
+                                loaded=cache.num_loaded - loaded)
+        bar.close()
+        for (T, _), batch, compiled in zip(shapes, batches, executables):
+            if T <= WARM_UP_TOKENS:
+                _, self.kv_cache = compiled(self.params, self.kv_cache, batch)
         jax.block_until_ready(self.kv_cache)
+        logger.info("compiled %d and loaded %d executables from the compilation cache%s "
+                    "(%d step shapes, %d sampler variants)",
+                    cache.num_compiled - compiled_before, cache.num_loaded - loaded,
+                    "" if cache.folder is None else f" {cache.folder.parent}",
+                    len(shapes), len(draws))
 
     def _padding_batch(self, T: int, decode_only: bool = False) -> ModelInput:
         """A padding-only step of T tokens (see `step_shapes`): it writes nothing."""
@@ -170,7 +206,7 @@ class ModelRunner:
         md = SamplingMetadata(temperature=one.astype(np.float32), top_k=one,
                               top_p=np.ones((1,), np.float32), seeds=np.zeros((1, 2), np.uint32),
                               output_index=one)
-        jax.block_until_ready(sample_jit(logits[:1], md, all_greedy=True, num_logprobs=0))
+        jax.block_until_ready(self._sample(logits[:1], md, all_greedy=True, num_logprobs=0))
 
     def execute(self, out: SchedulerOutput) -> tuple[list[list[SampledToken]], dict]:
         """Runs one scheduled step: all its sequences packed in one model call (`prepare`),
@@ -209,7 +245,7 @@ class ModelRunner:
         rows, md = self.prepare_sampling(samples)
         num_logprobs = max((s.params.logprobs or 0) for _, s, _ in samples)
         num_logprobs = next_power_of_2(num_logprobs) if num_logprobs else 0
-        res = jax.device_get(sample_jit(
+        res = jax.device_get(self._sample(
             sampler.gather_rows(logits, rows), md,
             all_greedy=all(s.params.is_greedy for _, s, _ in samples),
             num_logprobs=num_logprobs))

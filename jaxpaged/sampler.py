@@ -26,7 +26,6 @@ on CPU.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 
@@ -290,24 +289,23 @@ def gather_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
     return logits[rows]
 
 
-def precompile(vocab_size: int, sample_counts: list[int],
-               sharding: jax.sharding.Sharding | None = None) -> None:
-    """Compiles the greedy and the temperature-only variants (no top-k, top-p or min-p, the
-    default `SamplingParams`) for each padded sample count R in `sample_counts`, so that the
-    first such request of each size compiles nothing; for logits laid out as `sharding` (None:
-    on the default device). Two threads: XLA compiles outside the GIL."""
-    def run(R: int, all_greedy: bool) -> None:
-        zeros = np.zeros((R,), np.int32)
-        md = SamplingMetadata(temperature=np.ones((R,), np.float32), top_k=zeros,
-                              top_p=np.ones((R,), np.float32),
-                              seeds=np.zeros((R, 2), np.uint32), output_index=zeros)
-        logits = jax.device_put(np.zeros((R, vocab_size), np.float32), sharding)
-        jax.block_until_ready(sample_jit(logits, md,
-                                         all_greedy=all_greedy, num_logprobs=0))
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        list(pool.map(run, sample_counts * 2,
-                      [True] * len(sample_counts) + [False] * len(sample_counts)))
+def precompile_inputs(vocab_size: int, sample_counts: list[int],
+                      sharding: jax.sharding.Sharding | None = None
+                      ) -> list[tuple[jax.Array, SamplingMetadata, bool]]:
+    """(logits' shape, metadata, all_greedy) of the variants worth compiling ahead of time: greedy
+    and temperature-only (no top-k, top-p or min-p: the default `SamplingParams`) for each
+    padded sample count R in `sample_counts`, logits laid out as `sharding` (None: on the
+    default device)."""
+    out = []
+    for all_greedy in (True, False):
+        for R in sample_counts:
+            zeros = np.zeros((R,), np.int32)
+            md = SamplingMetadata(temperature=np.ones((R,), np.float32), top_k=zeros,
+                                  top_p=np.ones((R,), np.float32),
+                                  seeds=np.zeros((R, 2), np.uint32), output_index=zeros)
+            logits = jax.ShapeDtypeStruct((R, vocab_size), jnp.float32, sharding=sharding)
+            out.append((logits, md, all_greedy))
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))

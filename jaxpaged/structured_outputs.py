@@ -19,7 +19,6 @@ import re
 import threading
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 
 from jaxpaged.errors import InvalidRequestError
@@ -100,6 +99,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int):
         """`tokenizer`: the model's HF tokenizer; `vocab_size`: V, the logits' width (it may
         exceed the tokenizer's)."""
+        import llguidance.hf  # here, not at top: it imports much of transformers
+
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
         self.vocab_size = vocab_size
         self._cache: dict[str, llguidance.LLMatcher] = {}

@@ -1,0 +1,211 @@
+"""Compile once per machine: JAX's persistent compilation cache, and the model step's executables.
+
+Two layers share one folder, `$JAXPAGED_HOME/compile-cache/<jax>-<jaxlib>-<backend>-<machine>/`
+(default `~/.cache/jaxpaged/...`; `JAXPAGED_COMPILATION_CACHE_DIR` or
+`LLM(compilation_cache_dir=...)` moves it, "off" turns both off):
+
+- JAX's own persistent cache (`jax_compilation_cache_dir`) for every jitted function (the
+  sampler's variants, block copies, prompt logprobs): keyed by JAX on the lowered HLO, the
+  jax/jaxlib versions, the backend and the compile options. It saves XLA's compile but not the
+  Python tracing and lowering that compute its key, about half a second a shape for a 30-layer
+  model on CPU.
+- `ExecutableCache`, for the model step and the sampler: serialized executables
+  (`jax.experimental.serialize_executable`) under a key of everything that makes the
+  program: the function, the model config (shapes, dtypes, RoPE constants), the dtype, the
+  attention backend, the input shapes, dtypes and shardings, the static arguments, the devices,
+  jax and jaxlib, the CPU, XLA_FLAGS, and the source of jaxpaged itself. A hit loads an
+  executable in about 0.2 s without tracing; any change of those factors is a different key,
+  never a wrong entry. Entries are also kept in memory for the process, so a second engine on
+  the same model and limits reuses them.
+
+The folder name separates jax versions, backends and machines (XLA's CPU code is built for the
+host CPU's features), so entries of another installation are never read; deleting the folder is
+always safe.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import platform
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jaxlib
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "JAXPAGED_COMPILATION_CACHE_DIR"
+_OFF = ("", "0", "off", "false", "none")
+
+_lock = threading.Lock()
+_enabled_dir: Path | None = None
+# XLA:CPU cannot load two executables at once (their code is linked into one JIT session: a
+# concurrent load fails later with "Function ... not found").
+_load_lock = threading.Lock()
+# Hits of JAX's own cache, per thread. An executable that JAX loaded from its cache is not
+# written to ours: XLA:CPU serializes a loaded executable without all of its code.
+_jax_cache_hits = threading.local()
+
+
+def _count_jax_cache_hit(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _jax_cache_hits.n = getattr(_jax_cache_hits, "n", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_jax_cache_hit)
+
+
+def _machine_id() -> str:
+    """The host CPU's model and feature flags, hashed (XLA's CPU code is native to them)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        wanted = sorted({ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags")})
+        text = "\n".join(wanted)
+    except OSError:
+        text = platform.processor() or platform.machine()
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def resolve_cache_dir(option: str | os.PathLike | None = "auto") -> Path | None:
+    """The cache folder for `LLM(compilation_cache_dir=option)`, or None when it is off.
+
+    Args:
+      option: "auto" (`$JAXPAGED_COMPILATION_CACHE_DIR` if set, else
+        `$JAXPAGED_HOME/compile-cache`), a folder, or None / "off" for no cache.
+
+    Returns:
+      The folder for this jax/jaxlib version, backend and machine (created on first write).
+    """
+    if option == "auto":
+        option = os.environ.get(ENV_VAR)
+        if option is None:
+            from jaxpaged.model_store import jaxpaged_home  # not at top: it imports the models
+            option = jaxpaged_home() / "compile-cache"
+    if option is None or str(option).strip().lower() in _OFF:
+        return None
+    backend = jax.default_backend()
+    machine = _machine_id() if backend == "cpu" else jax.devices()[0].device_kind.replace(" ", "_")
+    return (Path(option).expanduser()
+            / f"jax-{jax.__version__}-jaxlib-{jaxlib.__version__}-{backend}-{machine}")
+
+
+def enable(cache_dir: Path | None) -> None:
+    """Points JAX's persistent cache at `cache_dir/jax` and stores every compile there (the
+    default thresholds skip compiles under a second, most of a serving engine's). A folder the
+    user set in jax's config first is left as it is; JAX reads the setting once per process,
+    so the first engine's folder stays for the process."""
+    global _enabled_dir
+    with _lock:
+        if cache_dir is None or _enabled_dir is not None:
+            return
+        if jax.config.jax_compilation_cache_dir:
+            _enabled_dir = Path(jax.config.jax_compilation_cache_dir)
+            return
+        _enabled_dir = cache_dir / "jax"
+        jax.config.update("jax_compilation_cache_dir", str(_enabled_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@functools.cache
+def _source_digest() -> str:
+    """sha256 of jaxpaged's own source (engine, models, kernels): an edit is a new program."""
+    import jaxpaged
+    from jaxpaged import models, pallas_kernels
+
+    h = hashlib.sha256()
+    for package in (jaxpaged, models, pallas_kernels):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*")):
+            if path.suffix in (".py", ".cc") and "__pycache__" not in path.parts:
+                h.update(path.relative_to(root).as_posix().encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _aval(x) -> str:
+    sharding = getattr(x, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return f"{getattr(x, 'shape', ())}:{getattr(x, 'dtype', type(x).__name__)}:{spec}"
+
+
+class ExecutableCache:
+    """Executables of one model's jitted functions, by their inputs' shapes: in memory for the
+    process, and serialized under `cache_dir/executables/` (None: in memory only).
+
+    Args:
+      cache_dir: `resolve_cache_dir(...)`, or None.
+      program: what fixes the step's program besides its inputs' shapes: the model config's
+        repr, dtype, attention backend name, limits (strings, hashed with the rest).
+    """
+
+    _memory: dict[str, jax.stages.Compiled] = {}  # shared by every engine of the process
+
+    def __init__(self, cache_dir: Path | None, program: tuple[str, ...]):
+        self.folder = None if cache_dir is None else cache_dir / "executables"
+        devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
+        self._base = hashlib.sha256("\0".join([
+            jax.__version__, jaxlib.__version__, jax.default_backend(), str(devices),
+            str(jax.process_count()), os.environ.get("XLA_FLAGS", ""), _machine_id(),
+            str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision),
+            _source_digest(), *program]).encode())
+        self.num_loaded = 0  # executables read from disk
+        self.num_compiled = 0  # executables compiled (then written)
+
+    def key(self, jitted, args: tuple, static: dict) -> str:
+        """The key of `jitted(*args, **static)`, `args` pytrees of arrays."""
+        h = self._base.copy()
+        leaves, treedef = jax.tree.flatten(args)
+        h.update(getattr(jitted, "__qualname__", repr(jitted)).encode())
+        h.update(str(treedef).encode())
+        h.update("|".join(map(_aval, leaves)).encode())
+        h.update(repr(sorted(static.items())).encode())
+        return h.hexdigest()[:32]
+
+    def get_or_compile(self, jitted, args: tuple, static: dict) -> jax.stages.Compiled:
+        """The executable of `jitted(*args, **static)`: from memory, from disk, or compiled
+        (then kept in both). A damaged or unloadable file is replaced."""
+        from jax.experimental import serialize_executable
+
+        key = self.key(jitted, args, static)
+        compiled = self._memory.get(key)
+        if compiled is not None:
+            return compiled
+        path = None if self.folder is None else self.folder / f"{key}.bin"
+        if path is not None and path.is_file():
+            try:
+                payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+                if in_tree != jax.tree.structure((args, {})):
+                    raise ValueError("its inputs differ")
+                with _load_lock:
+                    compiled = serialize_executable.deserialize_and_load(
+                        payload, in_tree, out_tree)
+                self.num_loaded += 1
+            except Exception as e:  # a truncated file, or one jax cannot load: compile anew
+                logger.warning("compilation cache: cannot load %s (%s); compiling", path, e)
+        if compiled is None:
+            hits = getattr(_jax_cache_hits, "n", 0)
+            compiled = jitted.lower(*args, **static).compile()
+            self.num_compiled += 1
+            if path is not None and getattr(_jax_cache_hits, "n", 0) == hits:
+                self._write(path, pickle.dumps(serialize_executable.serialize(compiled)))
+        self._memory[key] = compiled
+        return compiled
+
+    @staticmethod
+    def _write(path: Path, payload: bytes) -> None:
+        """Written aside, then renamed: readers never see half a file."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError as e:  # a read-only or full disk costs a compile next time, no more
+            logger.warning("compilation cache: cannot write %s (%s)", path, e)

@@ -1,0 +1,129 @@
+"""The compilation cache (`jaxpaged.compilation_cache`): a second engine in a fresh process
+compiles nothing, and a changed model shape, dtype or damaged file never reuses a wrong entry.
+
+XLA compiles are counted with JAX's own events: `/jax/core/compile/backend_compile_duration`
+is recorded for every executable JAX obtains, compiled or read from its persistent cache, and
+`/jax/compilation_cache/cache_hits` for each read; an executable loaded by jaxpaged's own cache
+records neither.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Runs in a fresh process: builds an engine with precompile on, generates greedily, prints the
+# compile count, what the cache loaded and compiled, and the token ids.
+SCRIPT = r"""
+import json, sys
+import jax
+events = []
+jax.monitoring.register_event_duration_secs_listener(lambda event, secs, **kw: events.append(event))
+jax.monitoring.register_event_listener(lambda event, **kw: events.append(event))
+from jaxpaged import LLM, SamplingParams
+model_dir, dtype, cache_dir = sys.argv[1:4]
+llm = LLM(model_dir, dtype=dtype, max_model_len=64, num_kv_blocks=32, max_num_seqs=4,
+          max_num_batched_tokens=32, precompile=True, compilation_cache_dir=cache_dir)
+outs = llm.generate(["Hello, my name is", "The capital of France is a city"],
+                    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+cache = llm.llm_engine.runner.executables
+compiles = (events.count("/jax/core/compile/backend_compile_duration")
+            - events.count("/jax/compilation_cache/cache_hits"))
+print(json.dumps(dict(compiles=compiles, loaded=cache.num_loaded,
+                      compiled=cache.num_compiled,
+                      ids=[o.outputs[0].token_ids for o in outs])))
+"""
+
+
+def run(model_dir, cache_dir, dtype="float32") -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), dtype, str(cache_dir)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def warm(tiny_model_dir, tmp_path_factory):
+    """A cache folder filled by one engine, and that engine's result."""
+    cache_dir = tmp_path_factory.mktemp("compile-cache")
+    first = run(tiny_model_dir, cache_dir)
+    assert first["compiles"] > 0 and first["compiled"] > 0 and first["loaded"] == 0, first
+    return cache_dir, first
+
+
+def test_a_second_engine_in_a_fresh_process_compiles_nothing(tiny_model_dir, warm):
+    cache_dir, first = warm
+    second = run(tiny_model_dir, cache_dir)
+    assert second["compiles"] == 0, second
+    assert second["compiled"] == 0 and second["loaded"] == first["compiled"], second
+    assert second["ids"] == first["ids"]
+
+
+def test_another_dtype_or_model_shape_compiles_its_own(tiny_model_dir, warm, tmp_path):
+    cache_dir, first = warm
+    bf16 = run(tiny_model_dir, cache_dir, "bfloat16")
+    assert bf16["loaded"] == 0 and bf16["compiles"] > 0, bf16
+    assert bf16["ids"] == run(tiny_model_dir, "off", "bfloat16")["ids"]
+
+    # The same architecture with a narrower MLP: every step shape differs.
+    narrower = tmp_path / "narrower"
+    save_tiny_llama(narrower, tiny_model_dir, intermediate_size=96)
+    other = run(narrower, cache_dir)
+    assert other["loaded"] == 0 and other["compiles"] > 0, other
+    assert other["ids"] == run(narrower, "off")["ids"]
+
+
+def save_tiny_llama(path, tokenizer_dir, **changes):
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import TINY_CONFIG
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, **changes})).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, path / name)
+
+
+def test_a_damaged_entry_is_compiled_again(tiny_model_dir, warm, tmp_path):
+    import shutil
+
+    cache_dir, first = warm
+    damaged = tmp_path / "damaged"
+    shutil.copytree(cache_dir, damaged)
+    entries = sorted(damaged.rglob("executables/*.bin"))
+    assert entries
+    for path in entries[::2]:
+        path.write_bytes(path.read_bytes()[:100])
+    result = run(tiny_model_dir, damaged)
+    # (The folder may hold other tests' entries too: only this model's are read.)
+    assert 0 < result["compiled"] <= len(entries[::2]), result
+    assert result["loaded"] + result["compiled"] == first["compiled"], result
+    assert result["ids"] == first["ids"]
+
+
+def test_cache_dir_resolution(monkeypatch, tmp_path):
+    import jax
+
+    from jaxpaged.compilation_cache import ENV_VAR, resolve_cache_dir
+
+    monkeypatch.setenv("JAXPAGED_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    default = resolve_cache_dir("auto")
+    assert default.parent == tmp_path / "home" / "compile-cache"
+    assert jax.__version__ in default.name and jax.default_backend() in default.name
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "moved"))
+    assert resolve_cache_dir("auto").parent == tmp_path / "moved"
+    for off in ("off", "0", ""):
+        monkeypatch.setenv(ENV_VAR, off)
+        assert resolve_cache_dir("auto") is None
+    assert resolve_cache_dir(None) is None
+    assert resolve_cache_dir(tmp_path / "given").parent == tmp_path / "given"
