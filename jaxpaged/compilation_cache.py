@@ -48,14 +48,23 @@ _enabled_dir: Path | None = None
 # XLA:CPU cannot load two executables at once (their code is linked into one JIT session: a
 # concurrent load fails later with "Function ... not found").
 _load_lock = threading.Lock()
-# Hits of JAX's own cache, per thread. An executable that JAX loaded from its cache is not
-# written to ours: XLA:CPU serializes a loaded executable without all of its code.
-_jax_cache_hits = threading.local()
+# Once a process has loaded an executable (from JAX's cache or ours), it writes none: XLA:CPU
+# serializes an executable compiled or loaded beside loaded ones without all of its code (a
+# later load fails with "Function ... not found", or serializing crashes). A warm process
+# compiles little; what it does compile is written by the next cold one.
+_loaded_any = False
+
+
+def _stop_writing() -> None:
+    global _loaded_any
+    if not _loaded_any:
+        _loaded_any = True
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
 
 
 def _count_jax_cache_hit(event: str, **kwargs) -> None:
     if event == "/jax/compilation_cache/cache_hits":
-        _jax_cache_hits.n = getattr(_jax_cache_hits, "n", 0) + 1
+        _stop_writing()
 
 
 jax.monitoring.register_event_listener(_count_jax_cache_hit)
@@ -109,7 +118,8 @@ def enable(cache_dir: Path | None) -> None:
             return
         _enabled_dir = cache_dir / "jax"
         jax.config.update("jax_compilation_cache_dir", str(_enabled_dir))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float("inf") if _loaded_any else 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
@@ -184,16 +194,16 @@ class ExecutableCache:
                 if in_tree != jax.tree.structure((args, {})):
                     raise ValueError("its inputs differ")
                 with _load_lock:
+                    _stop_writing()
                     compiled = serialize_executable.deserialize_and_load(
                         payload, in_tree, out_tree)
                 self.num_loaded += 1
             except Exception as e:  # a truncated file, or one jax cannot load: compile anew
                 logger.warning("compilation cache: cannot load %s (%s); compiling", path, e)
         if compiled is None:
-            hits = getattr(_jax_cache_hits, "n", 0)
             compiled = jitted.lower(*args, **static).compile()
             self.num_compiled += 1
-            if path is not None and getattr(_jax_cache_hits, "n", 0) == hits:
+            if path is not None and not _loaded_any:
                 self._write(path, pickle.dumps(serialize_executable.serialize(compiled)))
         self._memory[key] = compiled
         return compiled
