@@ -16,7 +16,7 @@ Two layers share one folder, `$JAXPAGED_HOME/compile-cache/<jax>-<jaxlib>-<backe
   jax and jaxlib, the CPU, XLA_FLAGS, and the source of jaxpaged itself. A hit loads an
   executable in about 0.2 s without tracing; any change of those factors is a different key,
   never a wrong entry. Entries are also kept in memory for the process, so a second engine on
-  the same model and limits reuses them.
+  the same model and limits reuses them while the first holds them.
 
 The folder name separates jax versions, backends and machines (XLA's CPU code is built for the
 host CPU's features), so entries of another installation are never read; deleting the folder is
@@ -33,6 +33,7 @@ import pickle
 import platform
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import jax
@@ -155,7 +156,9 @@ class ExecutableCache:
         repr, dtype, attention backend name, limits (strings, hashed with the rest).
     """
 
-    _memory: dict[str, jax.stages.Compiled] = {}  # shared by every engine of the process
+    # Shared by the engines of the process while one of them holds an executable (weakly: each
+    # loaded executable maps ~90 memory regions, and Linux allows a process 65,530).
+    _memory: weakref.WeakValueDictionary[str, jax.stages.Compiled] = weakref.WeakValueDictionary()
 
     def __init__(self, cache_dir: Path | None, program: tuple[str, ...]):
         self.folder = None if cache_dir is None else cache_dir / "executables"
