@@ -171,22 +171,26 @@ class ExecutableCache:
         self.num_loaded = 0  # executables read from disk
         self.num_compiled = 0  # executables compiled (then written)
 
-    def key(self, jitted, args: tuple, static: dict) -> str:
-        """The key of `jitted(*args, **static)`, `args` pytrees of arrays."""
+    def key(self, jitted, args: tuple, static: tuple) -> str:
+        """The key of `jitted(*args, *static_args, **static_kwargs)`, `args` pytrees of
+        arrays, `static` = (static_args, static_kwargs)."""
         h = self._base.copy()
         leaves, treedef = jax.tree.flatten(args)
         h.update(getattr(jitted, "__qualname__", repr(jitted)).encode())
         h.update(str(treedef).encode())
         h.update("|".join(map(_aval, leaves)).encode())
-        h.update(repr(sorted(static.items())).encode())
+        h.update(repr((static[0], sorted(static[1].items()))).encode())
         return h.hexdigest()[:32]
 
-    def get_or_compile(self, jitted, args: tuple, static: dict) -> jax.stages.Compiled:
-        """The executable of `jitted(*args, **static)`: from memory, from disk, or compiled
-        (then kept in both). A damaged or unloadable file is replaced."""
+    def get_or_compile(self, jitted, args: tuple, static_args: tuple = (),
+                       static_kwargs: dict | None = None) -> jax.stages.Compiled:
+        """The executable of `jitted(*args, *static_args, **static_kwargs)` (static arguments
+        positional where jit has in_shardings, which takes no keywords): from memory, from disk,
+        or compiled (then kept in both). A damaged or unloadable file is replaced."""
         from jax.experimental import serialize_executable
 
-        key = self.key(jitted, args, static)
+        static_kwargs = static_kwargs or {}
+        key = self.key(jitted, args, (static_args, static_kwargs))
         compiled = self._memory.get(key)
         if compiled is not None:
             return compiled
@@ -204,7 +208,7 @@ class ExecutableCache:
             except Exception as e:  # a truncated file, or one jax cannot load: compile anew
                 logger.warning("compilation cache: cannot load %s (%s); compiling", path, e)
         if compiled is None:
-            compiled = jitted.lower(*args, **static).compile()
+            compiled = jitted.lower(*args, *static_args, **static_kwargs).compile()
             self.num_compiled += 1
             if path is not None and not _loaded_any:
                 self._write(path, pickle.dumps(serialize_executable.serialize(compiled)))

@@ -84,7 +84,7 @@ class ModelRunner:
         if self.mesh is None:
             self.kv_cache = jnp.zeros(shape, dtype)
             self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
-                                 static_argnames="all_positions")
+                                 static_argnums=3)
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
         else:
             # Explicit shardings: params as the loader laid them out, the pool by KV head, the
@@ -95,7 +95,7 @@ class ModelRunner:
             self.kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)()
             params = jax.tree.map(lambda x: x.sharding, self.params)
             self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
-                                 static_argnames="all_positions",
+                                 static_argnums=3,
                                  in_shardings=(params, pool, self.replicated),
                                  out_shardings=(self.replicated, pool))
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0, out_shardings=pool)
@@ -116,22 +116,23 @@ class ModelRunner:
         compilation cache): by `precompile`, and for each other shape it has run."""
         return sum(key[0] is self._step for key in self._compiled)
 
-    def _executable(self, jitted, args: tuple, **static) -> jax.stages.Compiled:
-        """The executable of `jitted(*args, **static)` for these shapes: this runner's, else
-        from the compilation cache (memory, then disk), else compiled."""
+    def _executable(self, jitted, args: tuple, *static_args, **static_kwargs
+                    ) -> jax.stages.Compiled:
+        """The executable of `jitted(*args, *static_args, **static_kwargs)` for these shapes:
+        this runner's, else from the compilation cache (memory, then disk), else compiled."""
         leaves, treedef = jax.tree.flatten(args)
-        key = (jitted, treedef, tuple(np.shape(x) for x in leaves), tuple(sorted(static.items())))
+        key = (jitted, treedef, tuple(np.shape(x) for x in leaves), static_args,
+               tuple(sorted(static_kwargs.items())))
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self.executables.get_or_compile(jitted, args, static)
+            compiled = self.executables.get_or_compile(jitted, args, static_args, static_kwargs)
             self._compiled[key] = compiled
         return compiled
 
     def _run_step(self, batch: ModelInput, all_positions: bool = False) -> jax.Array:
         """Runs the model step on `batch` and keeps the updated pool; returns the logits."""
         args = (self.params, self.kv_cache, batch)
-        logits, self.kv_cache = self._executable(self._step, args, all_positions=all_positions)(
-            *args)
+        logits, self.kv_cache = self._executable(self._step, args, all_positions)(*args)
         return logits
 
     def _sample(self, logits: jax.Array, md: SamplingMetadata, all_greedy: bool,
@@ -161,9 +162,8 @@ class ModelRunner:
         draws = sampler.precompile_inputs(
             self.config.vocab_size, pow2s(1, next_power_of_2(self.max_num_seqs)),
             None if self.mesh is None else self.replicated)
-        jobs = ([(self._step, (self.params, self.kv_cache, b), {"all_positions": False})
-                 for b in batches]
-                + [(sample_jit, (logits, md), dict(all_greedy=g, num_logprobs=0))
+        jobs = ([(self._step, (self.params, self.kv_cache, b), (False,), {}) for b in batches]
+                + [(sample_jit, (logits, md), (), dict(all_greedy=g, num_logprobs=0))
                    for logits, md, g in draws])
         bar = tqdm(total=len(jobs), desc="Compiling (or loading from the cache)",
                    disable=not progress)
@@ -171,8 +171,8 @@ class ModelRunner:
         # cannot run an executable while another one loads.)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             executables = []
-            for compiled in pool.map(lambda job: self._executable(job[0], job[1], **job[2]),
-                                     jobs):
+            for compiled in pool.map(
+                    lambda job: self._executable(job[0], job[1], *job[2], **job[3]), jobs):
                 executables.append(compiled)
                 bar.update()
                 bar.set_postfix(compiled=cache.num_compiled - compiled_before,
