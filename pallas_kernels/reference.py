@@ -109,6 +109,7 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     slots = jnp.where(slot_mapping < 0, P * S, slot_mapping)  # out of range -> dropped
     new = jnp.stack([k, v], axis=1).transpose(0, 1, 3, 2, 4).astype(kv_cache.dtype)  # [L,2,K,T,H]
     layers = slice(None) if layer is None else slice(layer, layer + 1)
-    flat = kv_cache.reshape(L, 2, K, P * S, H)
-    flat = flat.at[layers, :, :, slots].set(new, mode="drop")
-    return flat.reshape(kv_cache.shape)
+    # Indexed by (block, offset) on the pool itself, not on a [.., P * S, H] reshape: with one
+    # KV head (Gemma 3 270M) XLA's CPU layout assignment gave the reshaped scatter a layout of
+    # its own and copied the whole pool twice a step to restore it.
+    return kv_cache.at[layers, :, :, slots // S, slots % S].set(new, mode="drop")
