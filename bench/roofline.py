@@ -122,7 +122,7 @@ def profile_model(name: str, args, peaks: dict) -> list[dict]:
     config = runner.config
     leaves = jax.tree.leaves(runner.params)
     params_bytes = sum(x.nbytes for x in leaves)
-    embed = runner.params["embed_tokens"]["embedding"].value
+    embed = runner.params["embed_tokens"]["embedding"][...]
     tied = config.tie_word_embeddings
     timers = Timers(runner)
     rng = np.random.default_rng(0)
