@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from jaxpaged.model_store import jaxpaged_home
@@ -27,3 +28,14 @@ def portable(value):
 def portable_config(args: argparse.Namespace) -> dict:
     """A benchmark's arguments, with `portable` paths."""
     return {k: portable(v) for k, v in vars(args).items()}
+
+
+def best_time(run, repeats: int = 10) -> float:
+    """The fastest of `repeats` timed calls of `run()` (after one untimed warm-up), seconds."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import portable_config  # noqa: E402
+from report import best_time, portable_config  # noqa: E402
 
 MODELS = {"default": None, "gemma3-270m": "google/gemma-3-270m", "qwen2-0.5b": "synthetic"}
 
@@ -42,23 +42,14 @@ def machine_peaks(repeats: int = 10) -> dict:
     import jax
     import jax.numpy as jnp
 
-    def best(run) -> float:
-        run()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     big = jnp.ones((1 << 28,), jnp.float32)
     total = jax.jit(jnp.sum)
-    bandwidth = big.nbytes / best(lambda: total(big).block_until_ready())
+    bandwidth = big.nbytes / best_time(lambda: total(big).block_until_ready(), repeats)
     del big
     n = 2048
     x = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
     matmul = jax.jit(jnp.matmul)
-    peak = 2 * n**3 / best(lambda: matmul(x, x).block_until_ready())
+    peak = 2 * n**3 / best_time(lambda: matmul(x, x).block_until_ready(), repeats)
     return {"bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak}
 
 

@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import portable_config  # noqa: E402
+from report import best_time, portable_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -313,13 +313,7 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 10) -> dict:
     import torch
 
     def best(run) -> float:
-        run()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return 2 * n**3 / min(times)
+        return 2 * n**3 / best_time(run, repeats)
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     x = jnp.asarray(a.numpy())
