@@ -46,8 +46,8 @@ _OFF = ("", "0", "off", "false", "none")
 
 _lock = threading.Lock()
 _enabled_dir: Path | None = None
-# XLA:CPU cannot load two executables at once (their code is linked into one JIT session: a
-# concurrent load fails later with "Function ... not found").
+# One load at a time: XLA:CPU links every loaded executable's code into the process's JIT
+# session, and concurrent loads were seen to fail with "Function ... not found".
 _load_lock = threading.Lock()
 # Once a process has loaded an executable (from JAX's cache or ours), it writes none: XLA:CPU
 # serializes an executable compiled or loaded beside loaded ones without all of its code (a
