@@ -161,7 +161,10 @@ class ExecutableCache:
     _memory: weakref.WeakValueDictionary[str, jax.stages.Compiled] = weakref.WeakValueDictionary()
 
     def __init__(self, cache_dir: Path | None, program: tuple[str, ...]):
-        self.folder = None if cache_dir is None else cache_dir / "executables"
+        # Several processes (jax.distributed) each build their own part of a program: kept
+        # in memory only (JAX's own cache still serves them).
+        self.folder = (None if cache_dir is None or jax.process_count() > 1
+                       else cache_dir / "executables")
         devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
         self._base = hashlib.sha256("\0".join([
             jax.__version__, jaxlib.__version__, jax.default_backend(), str(devices),
