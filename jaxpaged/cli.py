@@ -234,13 +234,20 @@ def _one_shot_pool(args: argparse.Namespace, num_seqs: int) -> int | None:
     fill, within the 2 GiB default (a smaller pool starts faster: its memory is zeroed)."""
     if args.num_kv_blocks is not None or args.kv_cache_memory_bytes is not None:
         return None
+    import math
+
+    import jax.numpy as jnp
+
+    from jaxpaged.llm_engine import resolve_dtype
+    from jaxpaged.model_runner import kv_cache_shape
     from jaxpaged.model_store import resolve_model
     from jaxpaged.models import load_config
 
     config = load_config(resolve_model(args.model))
     max_model_len = args.max_model_len or config.max_position_embeddings
     tokens = num_seqs * (-(-max_model_len // args.block_size) * args.block_size)
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    per_token = (math.prod(kv_cache_shape(config, 1, 1))
+                 * jnp.dtype(resolve_dtype(args.dtype)).itemsize)
     return min(2 << 30, tokens * per_token)
 
 
