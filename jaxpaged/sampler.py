@@ -291,7 +291,7 @@ def gather_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
 
 def precompile_inputs(vocab_size: int, sample_counts: list[int],
                       sharding: jax.sharding.Sharding | None = None
-                      ) -> list[tuple[jax.Array, SamplingMetadata, bool]]:
+                      ) -> list[tuple[jax.ShapeDtypeStruct, SamplingMetadata, bool]]:
     """(logits' shape, metadata, all_greedy) of the variants worth compiling ahead of time: greedy
     and temperature-only (no top-k, top-p or min-p: the default `SamplingParams`) for each
     padded sample count R in `sample_counts`, logits laid out as `sharding` (None: on the
