@@ -4,11 +4,11 @@ Two layers share one folder, `$JAXPAGED_HOME/compile-cache/<jax>-<jaxlib>-<backe
 (default `~/.cache/jaxpaged/...`; `JAXPAGED_COMPILATION_CACHE_DIR` or
 `LLM(compilation_cache_dir=...)` moves it, "off" turns both off):
 
-- JAX's own persistent cache (`jax_compilation_cache_dir`) for every jitted function (the
-  sampler's variants, block copies, prompt logprobs): keyed by JAX on the lowered HLO, the
-  jax/jaxlib versions, the backend and the compile options. It saves XLA's compile but not the
-  Python tracing and lowering that compute its key, about half a second a shape for a 30-layer
-  model on CPU.
+- JAX's own persistent cache (`jax_compilation_cache_dir`) for the other jitted functions
+  that take a second or more to compile (block copies, prompt logprobs): keyed by JAX on the
+  lowered HLO, the jax/jaxlib versions, the backend and the compile options. It saves XLA's
+  compile but not the Python tracing and lowering that compute its key, about half a second a
+  shape for a 30-layer model on CPU.
 - `ExecutableCache`, for the model step and the sampler: serialized executables
   (`jax.experimental.serialize_executable`) under a key of everything that makes the
   program: the function, the model config (shapes, dtypes, RoPE constants), the dtype, the
@@ -54,6 +54,10 @@ _load_lock = threading.Lock()
 # later load fails with "Function ... not found", or serializing crashes). A warm process
 # compiles little; what it does compile is written by the next cold one.
 _loaded_any = False
+# JAX's cache keeps compiles of a second or more (its default). Storing the small ones too
+# (weight layout, the pool's zeros: under 0.1 s each) would make every warm process load one
+# before it meets a step shape, and so never write the steps it compiles.
+JAX_MIN_COMPILE_SECS = 1.0
 
 
 def _stop_writing() -> None:
@@ -106,10 +110,9 @@ def resolve_cache_dir(option: str | os.PathLike | None = "auto") -> Path | None:
 
 
 def enable(cache_dir: Path | None) -> None:
-    """Points JAX's persistent cache at `cache_dir/jax` and stores every compile there (the
-    default thresholds skip compiles under a second, most of a serving engine's). A folder the
-    user set in jax's config first is left as it is; JAX reads the setting once per process,
-    so the first engine's folder stays for the process."""
+    """Points JAX's persistent cache at `cache_dir/jax`, for compiles of at least
+    `JAX_MIN_COMPILE_SECS`. A folder the user set in jax's config first is left as it is; JAX
+    reads the setting once per process, so the first engine's folder stays for the process."""
     global _enabled_dir
     with _lock:
         if cache_dir is None or _enabled_dir is not None:
@@ -120,8 +123,7 @@ def enable(cache_dir: Path | None) -> None:
         _enabled_dir = cache_dir / "jax"
         jax.config.update("jax_compilation_cache_dir", str(_enabled_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                          float("inf") if _loaded_any else 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+                          float("inf") if _loaded_any else JAX_MIN_COMPILE_SECS)
 
 
 @functools.cache
@@ -141,8 +143,12 @@ def _source_digest() -> str:
 
 
 def _aval(x) -> str:
+    """Shape, dtype and partitioning of one input. On one device there is none: an array's
+    sharding type changes there (a step's outputs come back with a 1x1 mesh's) but not the
+    program."""
     sharding = getattr(x, "sharding", None)
-    spec = getattr(sharding, "spec", None)
+    spec = (None if sharding is None or len(sharding.device_set) == 1
+            else getattr(sharding, "spec", sharding))
     return f"{getattr(x, 'shape', ())}:{getattr(x, 'dtype', type(x).__name__)}:{spec}"
 
 
@@ -172,6 +178,7 @@ class ExecutableCache:
             str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision),
             _source_digest(), *program]).encode())
         self.num_loaded = 0  # executables read from disk
+        self.num_on_disk = 0  # found on disk by `get_or_compile(load=False)`, left to load
         self.num_compiled = 0  # executables compiled (then written)
 
     def key(self, jitted, args: tuple, static: tuple) -> str:
@@ -186,10 +193,15 @@ class ExecutableCache:
         return h.hexdigest()[:32]
 
     def get_or_compile(self, jitted, args: tuple, static_args: tuple = (),
-                       static_kwargs: dict | None = None) -> jax.stages.Compiled:
+                       static_kwargs: dict | None = None, load: bool = True
+                       ) -> jax.stages.Compiled | None:
         """The executable of `jitted(*args, *static_args, **static_kwargs)` (static arguments
         positional where jit has in_shardings, which takes no keywords): from memory, from disk,
-        or compiled (then kept in both). A damaged or unloadable file is replaced."""
+        or compiled (then kept in both). A damaged or unloadable file is replaced.
+
+        With `load=False`, an entry on disk is left there and None returned (the caller loads
+        it when it first runs it: `precompile` of a warm start then reads no executable); one
+        that is not there is compiled and written as with `load=True`."""
         from jax.experimental import serialize_executable
 
         static_kwargs = static_kwargs or {}
@@ -198,6 +210,9 @@ class ExecutableCache:
         if compiled is not None:
             return compiled
         path = None if self.folder is None else self.folder / f"{key}.bin"
+        if not load and path is not None and path.is_file():
+            self.num_on_disk += 1
+            return None
         if path is not None and path.is_file():
             try:
                 payload, in_tree, out_tree = pickle.loads(path.read_bytes())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -94,23 +95,28 @@ class LLMEngine:
                 f"fewer than max_model_len={self.scheduler_config.max_model_len}: raise "
                 "num_kv_blocks / kv_cache_memory_bytes or lower max_model_len")
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # The tokenizer loads on a thread beside the weights and the executables: it is Python
+        # imports and file reads, they are mostly XLA and numpy, outside the GIL.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(AutoTokenizer.from_pretrained, model_dir)
+            model = load_model(model_dir, self.model_config, self.dtype, backend, self.mesh)
+            self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
+                                      max_num_seqs=self.scheduler_config.max_num_seqs,
+                                      max_model_len=self.scheduler_config.max_model_len,
+                                      compilation_cache_dir=cache_dir)
+            if precompile:
+                self.runner.precompile(self.runner.step_shapes(
+                    self.scheduler_config.max_num_batched_tokens))
+            self.tokenizer = tokenizer.result()
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.scheduler_config.max_model_len)
-        self.eos_token_ids = self._eos_token_ids(model_dir)
+        self.eos_token_ids = self.runner.eos_token_ids = self._eos_token_ids(model_dir)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
-        model = load_model(model_dir, self.model_config, self.dtype, backend, self.mesh)
-        self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
-                                  self.eos_token_ids, self.scheduler_config.max_num_seqs,
-                                  self.scheduler_config.max_model_len, cache_dir)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
                                    padded_tokens=bucket, eos_token_ids=self.eos_token_ids,
                                    recompute_at=self.model_config.rope_switch_length)
         self.executor = FaultIsolatingExecutor(self.runner)
-        if precompile:
-            self.runner.precompile(self.runner.step_shapes(
-                self.scheduler_config.max_num_batched_tokens))
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
         self._request_ids = itertools.count()

@@ -99,10 +99,10 @@ class ModelRunner:
                                  in_shardings=(params, pool, self.replicated),
                                  out_shardings=(self.replicated, pool))
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0, out_shardings=pool)
-        # The step's and the sampler's executables by `_shape_key`, compiled ahead of time by
-        # `precompile` or when a shape is first met, each from the compilation cache when it
-        # holds it.
-        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        # The step's and the sampler's executables by their inputs' shapes: compiled or loaded,
+        # or None for one that `precompile` found in the compilation cache's folder and left
+        # there until it first runs.
+        self._compiled: dict[tuple, jax.stages.Compiled | None] = {}
         self.executables = ExecutableCache(compilation_cache_dir, (
             repr(self.config), jnp.dtype(dtype).name, self.backend.name, repr(self.limits),
             repr(None if self.mesh is None else self.mesh.devices.tolist())))
@@ -112,22 +112,38 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        """Shapes the model step has an executable for (compiled, or loaded from the
-        compilation cache): by `precompile`, and for each other shape it has run."""
+        """Shapes the model step has an executable for (compiled, loaded from the compilation
+        cache, or found there to load when first run): by `precompile`, and for each other
+        shape it has run."""
         return sum(key[0] is self._step for key in self._compiled)
+
+    @staticmethod
+    def _key(jitted, args: tuple, static_args: tuple, static_kwargs: dict) -> tuple:
+        leaves, treedef = jax.tree.flatten(args)
+        return (jitted, treedef, tuple(np.shape(x) for x in leaves), static_args,
+                tuple(sorted(static_kwargs.items())))
 
     def _executable(self, jitted, args: tuple, *static_args, **static_kwargs
                     ) -> jax.stages.Compiled:
         """The executable of `jitted(*args, *static_args, **static_kwargs)` for these shapes:
         this runner's, else from the compilation cache (memory, then disk), else compiled."""
-        leaves, treedef = jax.tree.flatten(args)
-        key = (jitted, treedef, tuple(np.shape(x) for x in leaves), static_args,
-               tuple(sorted(static_kwargs.items())))
+        key = self._key(jitted, args, static_args, static_kwargs)
         compiled = self._compiled.get(key)
         if compiled is None:
+            # XLA:CPU loads no executable while another one runs: wait for the last step.
+            jax.block_until_ready(self.kv_cache)
             compiled = self.executables.get_or_compile(jitted, args, static_args, static_kwargs)
             self._compiled[key] = compiled
         return compiled
+
+    def _prepare_executable(self, jitted, args: tuple, static_args: tuple,
+                            static_kwargs: dict) -> None:
+        """Compiles (and stores) the executable of these shapes unless the compilation cache's
+        folder has it; one found there is loaded by `_executable` when it first runs."""
+        key = self._key(jitted, args, static_args, static_kwargs)
+        if key not in self._compiled:
+            self._compiled[key] = self.executables.get_or_compile(
+                jitted, args, static_args, static_kwargs, load=False)
 
     def _run_step(self, batch: ModelInput, all_positions: bool = False) -> jax.Array:
         """Runs the model step on `batch` and keeps the updated pool; returns the logits."""
@@ -156,7 +172,7 @@ class ModelRunner:
         costs 0.1-0.5 s more than the later ones, which would otherwise land on a request.
         Larger shapes take seconds a step, and are left to pay it when met."""
         cache = self.executables
-        loaded, compiled_before = cache.num_loaded, cache.num_compiled
+        before = cache.num_compiled, cache.num_on_disk
         batches = [self._padding_batch(T, decode_only) for T, decode_only in shapes]
         # `prepare_sampling` pads the sample count to a power of two.
         draws = sampler.precompile_inputs(
@@ -165,26 +181,24 @@ class ModelRunner:
         jobs = ([(self._step, (self.params, self.kv_cache, b), (False,), {}) for b in batches]
                 + [(sample_jit, (logits, md), (), dict(all_greedy=g, num_logprobs=0))
                    for logits, md, g in draws])
-        bar = tqdm(total=len(jobs), desc="Compiling (or loading from the cache)",
+        bar = tqdm(total=len(jobs), desc="Compiling (or finding in the cache)",
                    disable=not progress)
-        # Two threads: XLA compiles outside the GIL. (The runs below wait for all: XLA:CPU
-        # cannot run an executable while another one loads.)
+        # Two threads: XLA compiles outside the GIL. An executable the cache's folder holds is
+        # not read here but when it first runs (0.1-0.2 s each on CPU, seconds for them all).
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            executables = []
-            for compiled in pool.map(
-                    lambda job: self._executable(job[0], job[1], *job[2], **job[3]), jobs):
-                executables.append(compiled)
+            for _ in pool.map(lambda job: self._prepare_executable(*job), jobs):
                 bar.update()
-                bar.set_postfix(compiled=cache.num_compiled - compiled_before,
-                                loaded=cache.num_loaded - loaded)
+                bar.set_postfix(compiled=cache.num_compiled - before[0],
+                                cached=cache.num_on_disk - before[1])
         bar.close()
-        for (T, _), batch, compiled in zip(shapes, batches, executables):
+        for (T, _), batch in zip(shapes, batches):
             if T <= WARM_UP_TOKENS:
-                _, self.kv_cache = compiled(self.params, self.kv_cache, batch)
+                args = (self.params, self.kv_cache, batch)
+                _, self.kv_cache = self._executable(self._step, args, False)(*args)
         jax.block_until_ready(self.kv_cache)
-        logger.info("compiled %d and loaded %d executables from the compilation cache%s "
-                    "(%d step shapes, %d sampler variants)",
-                    cache.num_compiled - compiled_before, cache.num_loaded - loaded,
+        logger.info("compiled %d executables, found %d in the compilation cache%s (loaded "
+                    "when first run; %d step shapes, %d sampler variants)",
+                    cache.num_compiled - before[0], cache.num_on_disk - before[1],
                     "" if cache.folder is None else f" {cache.folder.parent}",
                     len(shapes), len(draws))
 
