@@ -38,7 +38,8 @@ run: install
 	$(BIN)/python examples/quickstart.py
 
 test: install-test
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q --durations=30 tests
+	# Two worker processes, each taking whole test files (module fixtures are built once).
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

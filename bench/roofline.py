@@ -60,11 +60,13 @@ class Timers:
         import jax
 
         self.step_s, self.sampler_s = [], []
+        self.last_T = 0  # padded tokens of the last step
         run_step, sample = runner._run_step, runner._sample
 
-        def timed_step(*args, **kwargs):
+        def timed_step(batch, *args, **kwargs):
+            self.last_T = len(batch.input_ids)
             start = time.perf_counter()
-            out = jax.block_until_ready(run_step(*args, **kwargs))
+            out = jax.block_until_ready(run_step(batch, *args, **kwargs))
             self.step_s.append(time.perf_counter() - start)
             return out
 
@@ -108,7 +110,8 @@ def profile_model(name: str, args, peaks: dict) -> list[dict]:
         from synthetic_models import ensure
         model = str(ensure(name))
     llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=max(args.batches), precompile=False, enable_prefix_caching=False)
+              max_num_seqs=max(args.batches), precompile=False, enable_prefix_caching=False,
+              attention_backend=args.attention_backend)
     engine, runner = llm.llm_engine, llm.llm_engine.runner
     config = runner.config
     leaves = jax.tree.leaves(runner.params)
@@ -122,10 +125,17 @@ def profile_model(name: str, args, peaks: dict) -> list[dict]:
     def measure(kind: str, prompts: list[list[int]], warm_steps: int, steps: int) -> None:
         for _ in range(2):  # the first round compiles the shapes, the second is timed
             ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(
-                temperature=0, max_tokens=warm_steps + steps + 1, ignore_eos=True))
+                temperature=0, max_tokens=args.max_model_len - len(p), ignore_eos=True))
                 for p in prompts]
             for _ in range(warm_steps):
                 engine.step()
+            if kind == "decode":  # until every prompt is in (chunked prefill takes steps)
+                for _ in range(1000):
+                    if timers.last_T == bucket(len(prompts)):
+                        break
+                    engine.step()
+                else:
+                    raise RuntimeError(f"{len(prompts)} sequences never decoded together")
             timers.reset()
             totals = []
             for _ in range(steps):
@@ -180,11 +190,12 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
-    p.add_argument("--prefill", nargs="+", type=int, default=[128, 512])
+    p.add_argument("--prefill", nargs="*", type=int, default=[128, 512])
     p.add_argument("--context", type=int, default=256, help="decode: tokens cached per sequence")
     p.add_argument("--steps", type=int, default=6, help="decode steps timed per batch size")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--dtype", default="float32", help="the engine's dtype (float32, bfloat16)")
+    p.add_argument("--attention-backend", default="auto", help="LLM(attention_backend=...)")
     p.add_argument("--out", type=Path, default=Path("bench/results/roofline.json"))
     args = p.parse_args(argv)
     peaks = machine_peaks()

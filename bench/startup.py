@@ -8,8 +8,9 @@ JAXPAGED_COMPILATION_CACHE_DIR); warm: the same folder again, filled by the cold
 model is imported into $JAXPAGED_HOME beforehand, so neither measures the first import of an
 embedded model. `LLM()` is timed inside its process from before `import jaxpaged` until the
 constructor returns (default settings: precompile on); `generate` is the whole command, wall
-clock, 8 greedy tokens. Reports seconds and the processes' peak RSS to
-bench/results/startup.json.
+clock, 8 greedy tokens. Reports seconds, the processes' peak RSS and whether torch is installed
+(transformers then imports it, about 1.5 s) to bench/results/startup.json. Run it with another
+environment's python (`/path/to/venv/bin/python bench/startup.py`) to time that one.
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ def main(argv=None) -> dict:
             results[name] = {"cold_s": runs[0], "warm_s": min(runs[1:]), "warm_runs_s": runs[1:],
                              "process_wall_s_last": wall}
             print(name, results[name], flush=True)
-    report = {"config": portable_config(args), "results": results,
+    import importlib.util
+    environment = {  # what the imports cost depends on
+        "torch_installed": importlib.util.find_spec("torch") is not None,
+        "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE")}
+    report = {"config": portable_config(args), "environment": environment, "results": results,
               "peak_rss_children_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
