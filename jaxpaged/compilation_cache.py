@@ -160,13 +160,15 @@ class ExecutableCache:
       cache_dir: `resolve_cache_dir(...)`, or None.
       program: what fixes the step's program besides its inputs' shapes: the model config's
         repr, dtype, attention backend name, limits (strings, hashed with the rest).
+      devices: the devices the executables run on, in mesh order (default: the first device).
     """
 
     # Shared by the engines of the process while one of them holds an executable (weakly: each
     # loaded executable maps ~90 memory regions, and Linux allows a process 65,530).
     _memory: weakref.WeakValueDictionary[str, jax.stages.Compiled] = weakref.WeakValueDictionary()
 
-    def __init__(self, cache_dir: Path | None, program: tuple[str, ...]):
+    def __init__(self, cache_dir: Path | None, program: tuple[str, ...],
+                 devices: list | None = None):
         # Several processes (jax.distributed) each build their own part of a program: kept
         # in memory only (JAX's own cache still serves them).
         self.folder = (None if cache_dir is None or jax.process_count() > 1
@@ -177,6 +179,9 @@ class ExecutableCache:
             str(jax.process_count()), os.environ.get("XLA_FLAGS", ""), _machine_id(),
             str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision),
             _source_digest(), *program]).encode())
+        # The devices the executables run on, in their mesh's order (a loaded executable is
+        # otherwise given every device of the backend, and fails on fewer).
+        self.devices = list(devices) if devices else jax.devices()[:1]
         self.num_loaded = 0  # executables read from disk
         self.num_on_disk = 0  # found on disk by `get_or_compile(load=False)`, left to load
         self.num_compiled = 0  # executables compiled (then written)
@@ -221,7 +226,7 @@ class ExecutableCache:
                 with _load_lock:
                     _stop_writing()
                     compiled = serialize_executable.deserialize_and_load(
-                        payload, in_tree, out_tree)
+                        payload, in_tree, out_tree, execution_devices=self.devices)
                 self.num_loaded += 1
             except Exception as e:  # a truncated file, or one jax cannot load: compile anew
                 logger.warning("compilation cache: cannot load %s (%s); compiling", path, e)

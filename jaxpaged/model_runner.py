@@ -105,7 +105,8 @@ class ModelRunner:
         self._compiled: dict[tuple, jax.stages.Compiled | None] = {}
         self.executables = ExecutableCache(compilation_cache_dir, (
             repr(self.config), jnp.dtype(dtype).name, self.backend.name, repr(self.limits),
-            repr(None if self.mesh is None else self.mesh.devices.tolist())))
+            repr(None if self.mesh is None else self.mesh.devices.tolist())),
+            None if self.mesh is None else list(self.mesh.devices.flat))
         # Test-only: called with each `SchedulerOutput` at the start of `execute`; a hook that
         # raises stands for a fault in the step (tests of the engine's fault isolation).
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None

@@ -55,9 +55,12 @@ def tp_models(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     return dirs
 
 
-def run_worker(args: dict, timeout: float = 900) -> dict:
+def run_worker(args: dict, timeout: float = 900, cache_dir: Path | None = None) -> dict:
+    """Runs tp_worker.py; with `cache_dir`, on that compilation cache folder."""
+    env = dict(os.environ, **({} if cache_dir is None else
+                              {"JAXPAGED_COMPILATION_CACHE_DIR": str(cache_dir)}))
     res = subprocess.run([sys.executable, str(WORKER), json.dumps(args)], capture_output=True,
-                         text=True, timeout=timeout)
+                         text=True, timeout=timeout, env=env)
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-5000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -72,10 +75,13 @@ def orbax_model(tp_models, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tp_results(tp_models, orbax_model) -> dict:
+def tp_results(tp_models, orbax_model, tmp_path_factory) -> dict:
+    # On an empty compilation cache: the orbax run loads the executables the TP 4 run of the
+    # same model wrote, each onto its mesh's 4 devices of the 8.
     runs = [[str(d), tp] for d in tp_models.values() for tp in (1, 2, 4, 8)]
     return run_worker({"runs": runs + [[str(orbax_model), 4]],
-                       "hlo": str(tp_models["llama-kv2"]), "shards": str(orbax_model)})
+                       "hlo": str(tp_models["llama-kv2"]), "shards": str(orbax_model)},
+                      cache_dir=tmp_path_factory.mktemp("tp-compile-cache"))
 
 
 @pytest.mark.parametrize("model", list(MODELS))
