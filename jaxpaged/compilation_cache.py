@@ -173,9 +173,9 @@ class ExecutableCache:
         # in memory only (JAX's own cache still serves them).
         self.folder = (None if cache_dir is None or jax.process_count() > 1
                        else cache_dir / "executables")
-        devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
+        all_devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
         self._base = hashlib.sha256("\0".join([
-            jax.__version__, jaxlib.__version__, jax.default_backend(), str(devices),
+            jax.__version__, jaxlib.__version__, jax.default_backend(), str(all_devices),
             str(jax.process_count()), os.environ.get("XLA_FLAGS", ""), _machine_id(),
             str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision),
             _source_digest(), *program]).encode())
