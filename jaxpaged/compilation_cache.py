@@ -1,22 +1,26 @@
-"""Compile once per machine: JAX's persistent compilation cache, and the model step's executables.
+"""Compile once per machine: the model step's and the sampler's executables, serialized.
 
-Two layers share one folder, `$JAXPAGED_HOME/compile-cache/<jax>-<jaxlib>-<backend>-<machine>/`
+They are kept in one folder, `$JAXPAGED_HOME/compile-cache/<jax>-<jaxlib>-<backend>-<machine>/`
 (default `~/.cache/jaxpaged/...`; `JAXPAGED_COMPILATION_CACHE_DIR` or
-`LLM(compilation_cache_dir=...)` moves it, "off" turns both off):
+`LLM(compilation_cache_dir=...)` moves it, "off" turns it off), as
+`jax.experimental.serialize_executable` payloads under a key of everything that makes the
+program: the function, the model config (shapes, dtypes, RoPE constants), the dtype, the
+attention backend, the input shapes, dtypes and shardings, the static arguments, the devices,
+jax and jaxlib, the CPU, XLA_FLAGS, and the source of jaxpaged itself. A hit loads an
+executable in about 0.2 s without tracing; any change of those factors is a different key,
+never a wrong entry. Entries are also kept in memory for the process, so a second engine on
+the same model and limits reuses them while the first holds them.
 
-- JAX's own persistent cache (`jax_compilation_cache_dir`) for the other jitted functions
-  that take a second or more to compile (block copies, prompt logprobs): keyed by JAX on the
-  lowered HLO, the jax/jaxlib versions, the backend and the compile options. It saves XLA's
-  compile but not the Python tracing and lowering that compute its key, about half a second a
-  shape for a 30-layer model on CPU.
-- `ExecutableCache`, for the model step and the sampler: serialized executables
-  (`jax.experimental.serialize_executable`) under a key of everything that makes the
-  program: the function, the model config (shapes, dtypes, RoPE constants), the dtype, the
-  attention backend, the input shapes, dtypes and shardings, the static arguments, the devices,
-  jax and jaxlib, the CPU, XLA_FLAGS, and the source of jaxpaged itself. A hit loads an
-  executable in about 0.2 s without tracing; any change of those factors is a different key,
-  never a wrong entry. Entries are also kept in memory for the process, so a second engine on
-  the same model and limits reuses them while the first holds them.
+JAX's own persistent cache (`jax_compilation_cache_dir`) is not turned on. XLA:CPU cannot
+serialize an executable correctly in a process that has loaded another one (the copy on disk
+then fails when run: "Function ... not found"), so a process writes executables only until it
+loads its first, from this cache or from JAX's. With JAX's cache on, any program that ever
+landed there (a step shape, keyed by JAX on its HLO rather than on jaxpaged's source and
+options; a helper that once took a second to compile under load) was loaded early in every
+later process, which then wrote nothing: after an upgrade of jaxpaged, every start stayed
+cold. The small helpers JAX's cache would hold (the weights' layout, the pool's zeros, row
+gathers) take a few tenths of a second in all. A JAX cache that the user turns on is used as
+JAX uses it, and a hit in it counts as a load.
 
 The folder name separates jax versions, backends and machines (XLA's CPU code is built for the
 host CPU's features), so entries of another installation are never read; deleting the folder is
@@ -44,27 +48,19 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "JAXPAGED_COMPILATION_CACHE_DIR"
 _OFF = ("", "0", "off", "false", "none")
 
-_lock = threading.Lock()
-_enabled_dir: Path | None = None
 # One load at a time: XLA:CPU links every loaded executable's code into the process's JIT
 # session, and concurrent loads were seen to fail with "Function ... not found".
 _load_lock = threading.Lock()
-# Once a process has loaded an executable (from JAX's cache or ours), it writes none: XLA:CPU
-# serializes an executable compiled or loaded beside loaded ones without all of its code (a
-# later load fails with "Function ... not found", or serializing crashes). A warm process
-# compiles little; what it does compile is written by the next cold one.
+# Once a process has loaded an executable (from this cache, or from JAX's where the user turned
+# it on), it writes none: XLA:CPU serializes an executable compiled or loaded beside loaded ones
+# without all of its code (a later load fails with "Function ... not found", or serializing
+# crashes). A warm process compiles little; what it does compile is written by the next cold one.
 _loaded_any = False
-# JAX's cache keeps compiles of a second or more (its default). Storing the small ones too
-# (weight layout, the pool's zeros: under 0.1 s each) would make every warm process load one
-# before it meets a step shape, and so never write the steps it compiles.
-JAX_MIN_COMPILE_SECS = 1.0
 
 
 def _stop_writing() -> None:
     global _loaded_any
-    if not _loaded_any:
-        _loaded_any = True
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    _loaded_any = True
 
 
 def _count_jax_cache_hit(event: str, **kwargs) -> None:
@@ -107,23 +103,6 @@ def resolve_cache_dir(option: str | os.PathLike | None = "auto") -> Path | None:
     machine = _machine_id() if backend == "cpu" else jax.devices()[0].device_kind.replace(" ", "_")
     return (Path(option).expanduser()
             / f"jax-{jax.__version__}-jaxlib-{jaxlib.__version__}-{backend}-{machine}")
-
-
-def enable(cache_dir: Path | None) -> None:
-    """Points JAX's persistent cache at `cache_dir/jax`, for compiles of at least
-    `JAX_MIN_COMPILE_SECS`. A folder the user set in jax's config first is left as it is; JAX
-    reads the setting once per process, so the first engine's folder stays for the process."""
-    global _enabled_dir
-    with _lock:
-        if cache_dir is None or _enabled_dir is not None:
-            return
-        if jax.config.jax_compilation_cache_dir:
-            _enabled_dir = Path(jax.config.jax_compilation_cache_dir)
-            return
-        _enabled_dir = cache_dir / "jax"
-        jax.config.update("jax_compilation_cache_dir", str(_enabled_dir))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                          float("inf") if _loaded_any else JAX_MIN_COMPILE_SECS)
 
 
 @functools.cache

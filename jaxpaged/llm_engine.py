@@ -6,6 +6,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import os
 import time
@@ -14,7 +15,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from transformers import AutoTokenizer, GenerationConfig
 
 from jaxpaged import compilation_cache
 from jaxpaged.block_manager import BlockManager
@@ -49,6 +49,24 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
+def _load_tokenizer(model_dir: Path):
+    """`AutoTokenizer.from_pretrained(model_dir)`, with transformers imported here rather than
+    with jaxpaged (seconds: it runs on a thread beside the model's loading).
+
+    AutoTokenizer reads the model config only for its `model_type` (and `tokenizer_class`, and
+    the name), which the generic `PreTrainedConfig` holds as well; `AutoConfig` would first
+    import the family's config module, and with it, where torch is installed, about a second
+    of torch.distributed."""
+    from transformers import AutoTokenizer, PreTrainedConfig
+
+    try:
+        config = PreTrainedConfig(**json.loads((model_dir / "config.json").read_text()))
+        config._name_or_path = str(model_dir)  # as AutoConfig sets it
+    except (OSError, ValueError, TypeError):  # no or an odd config.json: AutoConfig's way
+        return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir, config=config)
+
+
 class LLMEngine:
     """Holds the tokenizer, scheduler, block manager and model runner of one model.
 
@@ -67,7 +85,6 @@ class LLMEngine:
         if precompile is not None and not isinstance(precompile, bool):
             raise ValueError(f"precompile must be True, False or None, got {precompile!r}")
         cache_dir = compilation_cache.resolve_cache_dir(compilation_cache_dir)
-        compilation_cache.enable(cache_dir)
         # Tensor parallelism: the model and the pool split over a mesh (`jaxpaged.parallel`).
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         self.model_config = load_config(model_dir).for_tensor_parallel(tensor_parallel_size)
@@ -96,9 +113,10 @@ class LLMEngine:
                 "num_kv_blocks / kv_cache_memory_bytes or lower max_model_len")
 
         # The tokenizer loads on a thread beside the weights and the executables: it is Python
-        # imports and file reads, they are mostly XLA and numpy, outside the GIL.
+        # imports (transformers, and torch where it is installed: seconds) and file reads, they
+        # are mostly XLA and numpy, outside the GIL.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(AutoTokenizer.from_pretrained, model_dir)
+            tokenizer = pool.submit(_load_tokenizer, model_dir)
             model = load_model(model_dir, self.model_config, self.dtype, backend, self.mesh)
             self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
                                       max_num_seqs=self.scheduler_config.max_num_seqs,
@@ -129,6 +147,8 @@ class LLMEngine:
     def _eos_token_ids(self, model_dir: Path) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
         if (model_dir / "generation_config.json").is_file():
+            from transformers import GenerationConfig
+
             eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
             ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer.eos_token_id is not None:

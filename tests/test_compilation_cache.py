@@ -2,11 +2,11 @@
 compiles nothing, and a changed model shape, dtype or damaged file never reuses a wrong entry.
 
 XLA compiles are counted with JAX's own event `/jax/core/compile/backend_compile_duration`,
-recorded with the function's name for every executable JAX obtains, compiled or read from its
-persistent cache; an executable loaded by jaxpaged's own cache records none. The engine's programs are the model step
-(`forward`) and the sampler (`sample`); the small helpers around them (the weights' layout, the
-pool's zeros, row gathers: a few tenths of a second in all) compile in every process, below
-JAX's cache threshold (`compilation_cache.JAX_MIN_COMPILE_SECS`, see there why).
+recorded with the function's name for every executable JAX compiles; an executable loaded by
+jaxpaged's cache records none. The engine's programs are the model step (`forward`) and the
+sampler (`sample`); the small helpers around them (the weights' layout, the pool's zeros, row
+gathers: a few tenths of a second in all) compile in every process (JAX's own persistent cache
+stays off: `jaxpaged/compilation_cache.py` says why).
 """
 
 from __future__ import annotations

@@ -1,0 +1,128 @@
+"""Offline throughput of this checkout against an older commit, on one machine in one run.
+
+    python bench/against_commit.py                       # against 6cc86b0, 64 ShareGPT prompts
+    python bench/against_commit.py --commit a564367 --rounds 3
+
+Each side is built from git (`git worktree` of the commit, and of HEAD: committed code only)
+and installed with pip into its own folder, then timed in fresh processes that alternate
+(old, new, old, new, ...) so that a drift of the machine falls on both. Every process replays
+the same requests (`bench/results/throughput-smollm2.requests.jsonl` by default, as
+`bench/throughput.py` writes them: ShareGPT prompts with their reference output lengths, EOS
+ignored), greedy, through the public API both sides share:
+`LLM(max_model_len=..., max_num_seqs=..., precompile=True)` and one `generate` call, which is
+timed (startup and compiles are not). Output tokens per second per run, the best of each side
+and their ratio go to bench/results/against-<commit>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import REPO, portable, portable_config  # noqa: E402
+
+DEFAULT_REQUESTS = REPO / "bench" / "results" / "throughput-smollm2.requests.jsonl"
+
+
+def child(args) -> None:
+    """Runs in a fresh process with one side's jaxpaged on sys.path; prints one JSON line."""
+    import jaxpaged
+    from jaxpaged import LLM, SamplingParams
+
+    requests = [json.loads(line) for line in args.requests.read_text().splitlines() if line]
+    max_len = max(len(r["prompt_token_ids"]) + r["output_len"] for r in requests)
+    llm = LLM(max_model_len=max(max_len, args.max_model_len), max_num_seqs=args.max_num_seqs,
+              precompile=True)
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True)
+              for r in requests]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_output = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert num_output == sum(r["output_len"] for r in requests)
+    print(json.dumps({"jaxpaged": str(Path(jaxpaged.__file__).parent), "elapsed_s": elapsed,
+                      "output_tokens_per_s": num_output / elapsed}))
+
+
+def install(commit: str, into: Path) -> str:
+    """Installs `commit`'s jaxpaged (dependencies as this environment has them) into `into`;
+    returns the full commit id."""
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", commit], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    tree = into.parent / f"src-{sha[:12]}"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), sha],
+                   check=True, capture_output=True)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                        "--no-build-isolation", "--target", str(into), str(tree)], check=True)
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
+                       check=True, capture_output=True)
+    return sha
+
+
+def run_side(target: Path, args) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(target))
+    cmd = [sys.executable, __file__, "--child", "--requests", str(args.requests),
+           "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not Path(result.pop("jaxpaged")).is_relative_to(target):  # the side's own code ran
+        raise RuntimeError(f"the run under {target} imported another jaxpaged")
+    return result
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--commit", default="6cc86b0", help="the older commit")
+    p.add_argument("--against", default="HEAD", help="the newer commit")
+    p.add_argument("--requests", type=Path, default=DEFAULT_REQUESTS)
+    p.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.requests = args.requests.resolve()
+    if args.child:
+        return child(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = {}
+        for name in (args.commit, args.against):
+            target = Path(tmp) / f"site-{len(sides)}"
+            sides[name] = {"commit": install(name, target), "target": target, "runs": []}
+        for round_ in range(args.rounds):
+            for name, side in sides.items():
+                run = run_side(side["target"], args)
+                side["runs"].append(run)
+                print(f"round {round_ + 1} {name}: {run['output_tokens_per_s']:.1f} output tok/s",
+                      flush=True)
+    results = {name: {"commit": side["commit"],
+                      "output_tokens_per_s": [r["output_tokens_per_s"] for r in side["runs"]],
+                      "best_output_tokens_per_s": max(r["output_tokens_per_s"]
+                                                      for r in side["runs"])}
+               for name, side in sides.items()}
+    old, new = results[args.commit], results[args.against]
+    report = {"config": portable_config(args),
+              "results": results,
+              "ratio_best": new["best_output_tokens_per_s"] / old["best_output_tokens_per_s"]}
+    out = args.out or REPO / "bench" / "results" / f"against-{args.commit}.json"
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{args.against} / {args.commit}: {report['ratio_best']:.3f} "
+          f"(best {new['best_output_tokens_per_s']:.1f} vs {old['best_output_tokens_per_s']:.1f}"
+          f" output tok/s); {portable(out)}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
