@@ -29,6 +29,7 @@ always safe.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import logging
@@ -51,6 +52,7 @@ _OFF = ("", "0", "off", "false", "none")
 # One load at a time: XLA:CPU links every loaded executable's code into the process's JIT
 # session, and concurrent loads were seen to fail with "Function ... not found".
 _load_lock = threading.Lock()
+_recent_lock = threading.Lock()
 # Once a process has loaded an executable (from this cache, or from JAX's where the user turned
 # it on), it writes none: XLA:CPU serializes an executable compiled or loaded beside loaded ones
 # without all of its code (a later load fails with "Function ... not found", or serializing
@@ -143,8 +145,12 @@ class ExecutableCache:
     """
 
     # Shared by the engines of the process while one of them holds an executable (weakly: each
-    # loaded executable maps ~90 memory regions, and Linux allows a process 65,530).
+    # loaded executable maps ~90 memory regions, and Linux allows a process 65,530), and the
+    # last `NUM_RECENT` used kept alive after their engine is gone, for the next engine on the
+    # same model and limits (a sweep, a test suite) to reuse without a compile or a load.
     _memory: weakref.WeakValueDictionary[str, jax.stages.Compiled] = weakref.WeakValueDictionary()
+    _recent: collections.OrderedDict[str, jax.stages.Compiled] = collections.OrderedDict()
+    NUM_RECENT = 64
 
     def __init__(self, cache_dir: Path | None, program: tuple[str, ...],
                  devices: list | None = None):
@@ -192,6 +198,7 @@ class ExecutableCache:
         key = self.key(jitted, args, (static_args, static_kwargs))
         compiled = self._memory.get(key)
         if compiled is not None:
+            self._remember(key, compiled)
             return compiled
         path = None if self.folder is None else self.folder / f"{key}.bin"
         if not load and path is not None and path.is_file():
@@ -215,7 +222,16 @@ class ExecutableCache:
             if path is not None and not _loaded_any:
                 self._write(path, pickle.dumps(serialize_executable.serialize(compiled)))
         self._memory[key] = compiled
+        self._remember(key, compiled)
         return compiled
+
+    @classmethod
+    def _remember(cls, key: str, compiled: jax.stages.Compiled) -> None:
+        with _recent_lock:  # precompile's two threads
+            cls._recent[key] = compiled
+            cls._recent.move_to_end(key)
+            while len(cls._recent) > cls.NUM_RECENT:
+                cls._recent.popitem(last=False)
 
     @staticmethod
     def _write(path: Path, payload: bytes) -> None:

@@ -2,7 +2,11 @@
 `save_pretrained`): greedy ids equal `generate(do_sample=False)` on prompts longer than the
 sliding window, through one-shot prefill, chunked prefill, prefix-cache hits, preemption and
 batching with other prompts, on the cpu, xla and pallas-interpret backends; last-token logits
-within 1e-4 of the HF model's."""
+within 1e-4 of the HF model's.
+
+The interpreted Pallas kernels (15 s a run) see the families whose attention differs: windows,
+soft caps, head sizes, mixed layer types. Phi-3's own parts (partial rotary, longrope) act
+before attention, where every backend runs the same code, and are checked on cpu and xla."""
 
 import shutil
 
@@ -38,6 +42,7 @@ FAMILIES = {
                              long_factor=[1.5, 2.5, 4.0, 7.0]))),
 }
 HF_CLASSES = {"gemma3": transformers.Gemma3ForCausalLM}
+SAME_ATTENTION_AS_LLAMA = ("phi3", "phi3-longrope")  # see the module docstring
 # Prompts of 3 to 60 tokens: most are longer than the window. The last repeats the one before's
 # start, for a prefix-cache hit.
 PROMPTS = [
@@ -94,6 +99,8 @@ def test_one_shot_prefill(make_llm, family, backend):
     if backend == "cpu" and not cpu_attention.available():
         pytest.skip("no C++ compiler")
     name, path, _, ids, want = family
+    if backend == "pallas-interpret" and name in SAME_ATTENTION_AS_LLAMA:
+        pytest.skip("attention as llama's: checked on cpu and xla")
     llm = make_llm(path, max_model_len=128, enable_prefix_caching=False,
                    attention_backend=backend)
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
@@ -122,6 +129,8 @@ def test_chunked_cached_preempted_batched(make_llm, family, backend):
     if backend == "cpu" and not cpu_attention.available():
         pytest.skip("no C++ compiler")
     name, path, _, ids, want = family
+    if backend == "pallas-interpret" and name in SAME_ATTENTION_AS_LLAMA:
+        pytest.skip("attention as llama's: checked on cpu and xla")
     llm = make_llm(path, max_model_len=64, block_size=8, num_kv_blocks=14,
                    max_num_batched_tokens=24, attention_backend=backend)
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
