@@ -174,15 +174,17 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_llm(args: argparse.Namespace, one_shot: bool = False,
+def _build_llm(args: argparse.Namespace, one_shot: int = 0,
                kv_cache_memory_bytes: int | None = None):
-    """The engine the flags describe. A one-shot command (generate, chat) compiles only the
-    shapes it runs unless --precompile is given."""
+    """The engine the flags describe. A one-shot command (generate, chat: `one_shot` is its
+    number of sequences) compiles only the shapes it runs unless --precompile is given: its
+    decode step while the tokenizer loads (when it decodes: more than one token), its prompt's
+    when it meets it."""
     from jaxpaged import LLM
 
     precompile = args.precompile
     if precompile is None and one_shot:
-        precompile = False
+        precompile = [one_shot] if args.max_tokens != 1 else False
 
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -257,7 +259,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, max_tokens=args.max_tokens)
     num_seqs = args.n * (1 if args.command == "chat" else len(args.prompts))
-    llm = _build_llm(args, one_shot=True,
+    llm = _build_llm(args, one_shot=num_seqs,
                      kv_cache_memory_bytes=_one_shot_pool(args, num_seqs))
     if args.command == "chat":
         messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -57,9 +57,12 @@ class LLM:
         startup (with a progress bar), so that serving compiles nothing new: one shape per
         token bucket of a packed step, about 25 under the default limits (twice that on the
         Pallas backends, which compile decode-only steps apart). None (the default) is True
-        except on "pallas-interpret", whose interpreted kernels compile shapes as met. Steps
-        computing prompt logprobs take logits at every token and compile their shape when
-        first met.
+        except on "pallas-interpret", whose interpreted kernels compile shapes as met. A list
+        of step sizes in tokens (ints >= 1) compiles, or loads from the compilation cache, the
+        steps of those sizes alone and runs each once, while the tokenizer loads: `[1]` for
+        the decode step of one sequence, what a one-shot `jaxpaged generate` runs for every
+        token after the first. Steps computing prompt logprobs take logits at every token and
+        compile their shape when first met.
       compilation_cache_dir: where compiled steps are kept across processes
         (`jaxpaged.compilation_cache`): "auto" (`$JAXPAGED_COMPILATION_CACHE_DIR`, else
         `$JAXPAGED_HOME/compile-cache`), a folder, or None (or "off") for none. With the
@@ -77,7 +80,8 @@ class LLM:
                  max_num_partial_prefills: int = 1, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 seed: int = 0, precompile: bool | None = None, tensor_parallel_size: int = 1,
+                 seed: int = 0, precompile: bool | list[int] | None = None,
+                 tensor_parallel_size: int = 1,
                  coordinator_address: str | None = None, num_processes: int = 1,
                  process_id: int = 0,
                  compilation_cache_dir: str | os.PathLike | None = "auto"):

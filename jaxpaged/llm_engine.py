@@ -80,10 +80,15 @@ class LLMEngine:
                  long_prefill_token_threshold: int | None = None,
                  max_num_partial_prefills: int = 1,
                  cache_config: CacheConfig = CacheConfig(), attention_backend: str = "auto",
-                 seed: int = 0, precompile: bool | None = None, tensor_parallel_size: int = 1,
+                 seed: int = 0, precompile: bool | list[int] | None = None,
+                 tensor_parallel_size: int = 1,
                  compilation_cache_dir: str | os.PathLike | None = "auto"):
-        if precompile is not None and not isinstance(precompile, bool):
-            raise ValueError(f"precompile must be True, False or None, got {precompile!r}")
+        if not (precompile is None or isinstance(precompile, bool) or (
+                isinstance(precompile, (list, tuple)) and all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                    for n in precompile))):
+            raise ValueError(f"precompile must be True, False, None or a list of step sizes "
+                             f"in tokens (ints >= 1), got {precompile!r}")
         cache_dir = compilation_cache.resolve_cache_dir(compilation_cache_dir)
         # Tensor parallelism: the model and the pool split over a mesh (`jaxpaged.parallel`).
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
@@ -122,9 +127,13 @@ class LLMEngine:
                                       max_num_seqs=self.scheduler_config.max_num_seqs,
                                       max_model_len=self.scheduler_config.max_model_len,
                                       compilation_cache_dir=cache_dir)
-            if precompile:
-                self.runner.precompile(self.runner.step_shapes(
-                    self.scheduler_config.max_num_batched_tokens))
+            shapes = self.runner.step_shapes(self.scheduler_config.max_num_batched_tokens)
+            if isinstance(precompile, (list, tuple)):  # those step sizes alone, quietly
+                wanted = {bucket(n) for n in precompile}
+                self.runner.precompile([(T, v) for T, v in shapes if T in wanted],
+                                       progress=False, sampler_variants=False)
+            elif precompile:
+                self.runner.precompile(shapes)
             self.tokenizer = tokenizer.result()
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.scheduler_config.max_model_len)

@@ -165,10 +165,11 @@ class ModelRunner:
         Ts = buckets_upto(min(max_num_batched_tokens, self.max_num_seqs * self.max_model_len))
         return [(T, v) for T in Ts for v in self.backend.variants(T, self.limits)]
 
-    def precompile(self, shapes: list[tuple[int, bool]], progress: bool = True) -> None:
+    def precompile(self, shapes: list[tuple[int, bool]], progress: bool = True,
+                   sampler_variants: bool = True) -> None:
         """Compiles the model step ahead of time for each (T, decode_only) of `step_shapes`,
-        and the sampler's default variants (`sampler.precompile`), so that serving compiles
-        nothing new. A shape of at most `WARM_UP_TOKENS` tokens is also run once on its
+        and (with `sampler_variants`) the sampler's default variants (`sampler.precompile`), so
+        that serving compiles nothing new. A shape of at most `WARM_UP_TOKENS` tokens is also run once on its
         padding-only input (nothing is written to the pool): an executable's first run on CPU
         costs 0.1-0.5 s more than the later ones, which would otherwise land on a request.
         Larger shapes take seconds a step, and are left to pay it when met."""
@@ -178,7 +179,7 @@ class ModelRunner:
         # `prepare_sampling` pads the sample count to a power of two.
         draws = sampler.precompile_inputs(
             self.config.vocab_size, pow2s(1, next_power_of_2(self.max_num_seqs)),
-            None if self.mesh is None else self.replicated)
+            None if self.mesh is None else self.replicated) if sampler_variants else []
         jobs = ([(self._step, (self.params, self.kv_cache, b), (False,), {}) for b in batches]
                 + [(sample_jit, (logits, md), (), dict(all_greedy=g, num_logprobs=0))
                    for logits, md, g in draws])
