@@ -9,7 +9,8 @@ attention backend, the input shapes, dtypes and shardings, the static arguments,
 jax and jaxlib, the CPU, XLA_FLAGS, and the source of jaxpaged itself. A hit loads an
 executable in about 0.2 s without tracing; any change of those factors is a different key,
 never a wrong entry. Entries are also kept in memory for the process, so a second engine on
-the same model and limits reuses them while the first holds them.
+the same model and limits reuses them while the first holds them, or for the last 64 used
+after it is gone.
 
 JAX's own persistent cache (`jax_compilation_cache_dir`) is not turned on. XLA:CPU cannot
 serialize an executable correctly in a process that has loaded another one (the copy on disk
