@@ -12,8 +12,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def portable(value):
-    """`value`, or for a path (or a string holding an absolute one): relative to the repo, or `$JAXPAGED_HOME/...` for a model
-    imported there, or else its last component alone."""
+    """`value`, or for a path (or a string holding an absolute one): relative to the repo, or
+    `$JAXPAGED_HOME/...` for a model imported there, or else its last component alone."""
     if isinstance(value, str) and Path(value).is_absolute():
         value = Path(value)
     if not isinstance(value, Path):

@@ -169,10 +169,10 @@ class ModelRunner:
                    sampler_variants: bool = True) -> None:
         """Compiles the model step ahead of time for each (T, decode_only) of `step_shapes`,
         and (with `sampler_variants`) the sampler's default variants (`sampler.precompile`), so
-        that serving compiles nothing new. A shape of at most `WARM_UP_TOKENS` tokens is also run once on its
-        padding-only input (nothing is written to the pool): an executable's first run on CPU
-        costs 0.1-0.5 s more than the later ones, which would otherwise land on a request.
-        Larger shapes take seconds a step, and are left to pay it when met."""
+        that serving compiles nothing new. A shape of at most `WARM_UP_TOKENS` tokens is also
+        run once on its padding-only input (nothing is written to the pool): an executable's
+        first run on CPU costs 0.1-0.5 s more than the later ones, which would otherwise land
+        on a request. Larger shapes take seconds a step, and are left to pay it when met."""
         cache = self.executables
         before = cache.num_compiled, cache.num_on_disk
         batches = [self._padding_batch(T, decode_only) for T, decode_only in shapes]
