@@ -14,7 +14,7 @@ timed (startup and compiles are not). By default the workload first runs once un
 (`--no-warmup` to skip it): on CPU an executable's first run costs 0.1-0.5 s more than later
 ones, and a warm start of this checkout loads its cached executables when a step first needs
 them (about 0.2 s each), which older commits did at startup. Output tokens per second per run,
-the best of each side and their ratio go to bench/results/against-<commit>.json.
+the best and the median of each side and their ratios go to bench/results/against-<commit>.json.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -122,13 +123,16 @@ def main(argv=None) -> dict:
                                                       for r in side["runs"])}
                for name, side in sides.items()}
     old, new = results[args.commit], results[args.against]
+    for side in results.values():
+        side["median_output_tokens_per_s"] = statistics.median(side["output_tokens_per_s"])
     report = {"config": portable_config(args),
               "results": results,
-              "ratio_best": new["best_output_tokens_per_s"] / old["best_output_tokens_per_s"]}
+              "ratio_best": new["best_output_tokens_per_s"] / old["best_output_tokens_per_s"],
+              "ratio_median": new["median_output_tokens_per_s"] / old["median_output_tokens_per_s"]}
     out = args.out or REPO / "bench" / "results" / f"against-{args.commit}.json"
     out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{args.against} / {args.commit}: {report['ratio_best']:.3f} "
-          f"(best {new['best_output_tokens_per_s']:.1f} vs {old['best_output_tokens_per_s']:.1f}"
+    print(f"{args.against} / {args.commit}: {report['ratio_best']:.3f} best, "
+          f"{report['ratio_median']:.3f} median (best {new['best_output_tokens_per_s']:.1f} vs {old['best_output_tokens_per_s']:.1f}"
           f" output tok/s); {portable(out)}")
     return report
 
