@@ -49,14 +49,32 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
+# Tokenizer classes that are `tokenizers`' generic fast tokenizer under another name: loaded
+# without `AutoTokenizer` (see `_load_tokenizer`).
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def _load_tokenizer(model_dir: Path):
     """`AutoTokenizer.from_pretrained(model_dir)`, with transformers imported here rather than
     with jaxpaged (seconds: it runs on a thread beside the model's loading).
 
-    AutoTokenizer reads the model config only for its `model_type` (and `tokenizer_class`, and
-    the name), which the generic `PreTrainedConfig` holds as well; `AutoConfig` would first
-    import the family's config module, and with it, where torch is installed, about a second
-    of torch.distributed."""
+    Where `tokenizer_config.json` names the generic fast tokenizer (`GENERIC_TOKENIZER_CLASSES`,
+    as checkpoints saved by transformers 5 do), that class is loaded directly, as AutoTokenizer
+    would load it: importing AutoTokenizer imports `transformers.configuration_utils`, and with
+    it torch where torch is installed (1.5 s of a 2-core machine's time at every start).
+    Otherwise AutoTokenizer reads the model config only for its `model_type` (and
+    `tokenizer_class`, and the name), which the generic `PreTrainedConfig` holds as well;
+    `AutoConfig` would first import the family's config module, and with it about a second of
+    torch.distributed."""
+    try:
+        tokenizer_class = json.loads(
+            (model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        tokenizer_class = None
+    if tokenizer_class in GENERIC_TOKENIZER_CLASSES and (model_dir / "tokenizer.json").is_file():
+        import transformers
+        return getattr(transformers, tokenizer_class).from_pretrained(model_dir)
+
     from transformers import AutoTokenizer, PreTrainedConfig
 
     try:
@@ -154,11 +172,18 @@ class LLMEngine:
         self.num_generation_tokens = 0  # tokens sampled
 
     def _eos_token_ids(self, model_dir: Path) -> set[int]:
-        ids = set(self.model_config.eos_token_ids)
-        if (model_dir / "generation_config.json").is_file():
-            from transformers import GenerationConfig
+        """The config's, the generation config's and the tokenizer's end-of-sequence ids.
 
-            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        `generation_config.json` is read as JSON, as `GenerationConfig.from_pretrained` reads
+        its `eos_token_id` (an id or a list), without importing transformers' generation
+        module (and torch with it)."""
+        ids = set(self.model_config.eos_token_ids)
+        path = model_dir / "generation_config.json"
+        if path.is_file():
+            try:
+                eos = json.loads(path.read_text()).get("eos_token_id")
+            except (ValueError, AttributeError) as e:
+                raise ValueError(f"{path} is not a JSON object: {e}") from e
             ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)

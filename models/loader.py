@@ -236,7 +236,8 @@ def read_pieces(readers: dict, plan: LoadPlan, sources: dict[str, Source], mesh:
     for piece in plan.pieces:
         source = sources[piece.key]
         read = functools.partial(_read, readers[source.key], source, piece)
-        cast = (lambda x: x) if dtype is None else (lambda x: x.astype(jnp.dtype(dtype)))
+        cast = ((lambda x: x) if dtype is None
+                else (lambda x: x.astype(jnp.dtype(dtype), copy=False)))  # no copy if equal
         if mesh is None:
             arrays[piece.key] = cast(read(()))
         else:

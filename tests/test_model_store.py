@@ -74,3 +74,32 @@ def test_import_needs_no_torch(tmp_path):
     assert res.stdout.strip().endswith(str(folder))
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [folder.name]
     assert (folder / "model.safetensors").stat().st_size > 500e6
+
+
+def test_engine_tokenizer_equals_auto_tokenizer_and_imports_no_torch(default_model_dir):
+    """The engine loads a checkpoint's generic fast tokenizer directly (`_load_tokenizer`),
+    not through AutoTokenizer, whose import brings in torch: the same tokenizer, in a process
+    that never imports torch."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from jaxpaged.llm_engine import _load_tokenizer
+
+    ours, reference = _load_tokenizer(default_model_dir), AutoTokenizer.from_pretrained(
+        default_model_dir)
+    assert type(ours) is type(reference)
+    for text in TEXTS:
+        assert ours(text).input_ids == reference(text).input_ids, text
+    assert ours.all_special_tokens == reference.all_special_tokens
+    assert ours.chat_template == reference.chat_template
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from jaxpaged.llm_engine import _load_tokenizer\n"
+            f"_load_tokenizer(Path({str(default_model_dir)!r}))\n"
+            "print('torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
