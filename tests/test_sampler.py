@@ -3,6 +3,7 @@ against the exact distribution (chi-square), and per-row seeds."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
@@ -10,6 +11,10 @@ from scipy import stats
 
 from jaxpaged.sampler import (SamplingMetadata, TOP_P_CANDIDATES, gather_rows, num_candidates,
                               sample_jit, top_k_top_p_cutoff)
+
+# Jitted as the sampler runs it: one compile per (V, num_candidates), where op-by-op dispatch of
+# its bisection took most of a property test's time.
+cutoff_jit = jax.jit(top_k_top_p_cutoff, static_argnums=3)
 
 V = 6
 PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
@@ -118,14 +123,14 @@ def test_edge_settings_keep_the_reference_sets():
     V = len(x)
     for top_k, top_p in [(1, 1.0), (V, 1.0), (V + 5, 1.0), (-1, 1.0), (2, 1.0), (0, 1e-6),
                          (0, 1.0), (3, 0.999), (0, 0.7), (5, 1e-6)]:
-        cutoff = top_k_top_p_cutoff(x[None], np.array([top_k], np.int32),
+        cutoff = cutoff_jit(x[None], np.array([top_k], np.int32),
                                     np.array([top_p], np.float32),
                                     max(1, num_candidates([top_k], [top_p], V)))
         kept, _ = reference_kept(x, top_k, top_p)
         np.testing.assert_array_equal(kept_by(x, cutoff), kept, str((top_k, top_p)))
     # top_p 1 with top-k keeps all k even where float32 sums of the masses round to 1.
     x2 = np.r_[np.random.default_rng(7).normal(size=7) * 0.01, [-20.0, -20.0]].astype(np.float32)
-    cutoff = top_k_top_p_cutoff(x2[None], np.array([8], np.int32), np.ones(1, np.float32), 9)
+    cutoff = cutoff_jit(x2[None], np.array([8], np.int32), np.ones(1, np.float32), 9)
     assert kept_by(x2, cutoff).all()
     # Ties at the cut stay: top_k 2 keeps 3.0, 2.0; top_k 3 keeps all three 1.0s as well.
     assert draw_counts(x, 4000, top_k=3)[[1, 2, 3]].min() > 0
@@ -156,7 +161,7 @@ def test_cutoff_equals_the_sort_reference(data):
     least = top_k if 0 < top_k < V else 1
     C = data.draw(st.sampled_from([c for c in (1, 2, 4, 8, 16, 32, 64, 128) if least <= c <= V]
                                   or [V]))
-    cutoff = top_k_top_p_cutoff(x[None], np.array([top_k], np.int32),
+    cutoff = cutoff_jit(x[None], np.array([top_k], np.int32),
                                 np.array([top_p], np.float32), C)
     np.testing.assert_array_equal(kept_by(x, cutoff), kept)
 
