@@ -8,8 +8,9 @@
 Every backend replays exactly the same requests (written first to a JSONL file beside the JSON
 report), each generating its reference output length with EOS ignored. Sampling is vLLM's
 benchmark setting by default, temperature 1.0 and top_p 1.0 (`--temperature`, `--top-p`,
-`--top-k`), the same for every backend; jaxpaged also runs the workload greedy (temperature 0)
-beside it, reported as `<backend>-greedy` with the sampled/greedy ratio.
+`--top-k`), the same for every backend; jaxpaged and hf-cb also run the workload greedy
+(temperature 0) beside it, reported as `<backend>-greedy`, with the sampled/greedy ratio and
+jaxpaged's ratio to hf-cb both ways.
 
 Datasets:
   sharegpt  ShareGPT conversations with vLLM's filter (bench/sharegpt.py), seed 0; output lengths
@@ -200,12 +201,23 @@ def run_hf(requests, args) -> dict:
     return {"elapsed_s": time.perf_counter() - start, "sampling": sampling_settings(args)}
 
 
-def run_hf_cb(requests, args) -> dict:
+def run_hf_cb_and_greedy(requests, args) -> dict:
+    """`run_hf_cb` with the sampling settings, and greedy beside it (as jaxpaged runs), on one
+    loaded model."""
+    model = _hf_model(args)
+    results = {"": run_hf_cb(requests, args, model)}
+    if args.temperature > 0:
+        results["-greedy"] = run_hf_cb(requests, argparse.Namespace(
+            **{**vars(args), "temperature": 0.0}), model)
+    return results
+
+
+def run_hf_cb(requests, args, model=None) -> dict:
     """transformers' continuous batching, as its docs show it: a manager, one request each."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    model = _hf_model(args)
+    model = model or _hf_model(args)
     block = 256  # its default page size
     num_blocks = sum(-(-(len(r["prompt_token_ids"]) + r["output_len"]) // block)
                      for r in requests[:args.max_num_seqs]) + 8
@@ -300,7 +312,7 @@ BACKENDS = {"jaxpaged": run_jaxpaged,
             "jaxpaged-json": run_jaxpaged_json,
             "jaxpaged-no-prefix-cache": lambda reqs, args: run_jaxpaged(reqs, args, False),
             "hf": lambda reqs, args: {"": run_hf(reqs, args)},
-            "hf-cb": lambda reqs, args: {"": run_hf_cb(reqs, args)}}
+            "hf-cb": run_hf_cb_and_greedy}
 
 
 # -- FLOPs ------------------------------------------------------------------------------------
@@ -413,6 +425,11 @@ def main(argv=None) -> dict:
               for mine in sampled if mine.startswith("jaxpaged")
               for peer in sampled if peer != mine and not (
                   peer.startswith("jaxpaged") and mine != "jaxpaged")}
+    ratios.update({f"{mine}-greedy/{peer}-greedy": results[mine + "-greedy"]["output_tokens_per_s"]
+                   / results[peer + "-greedy"]["output_tokens_per_s"]
+                   for mine in sampled if mine.startswith("jaxpaged")
+                   for peer in sampled if not peer.startswith("jaxpaged")
+                   and mine + "-greedy" in results and peer + "-greedy" in results})
     ratios.update({f"{n}/{n}{other}": results[n]["output_tokens_per_s"]
                    / results[n + other]["output_tokens_per_s"]
                    for n in sampled for other in ("-greedy", "-none") if n + other in results})

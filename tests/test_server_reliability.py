@@ -195,7 +195,9 @@ def test_large_inputs_do_not_stall_a_stream(server):
     during = [t for t in arrivals if window[0] <= t <= window[1]]
     gaps = [b - a for a, b in zip(during, during[1:])]
     assert window[1] - window[0] > 1.0, "the big inputs took too little time to test anything"
-    assert len(during) > 10 and max(gaps) < 0.2, (len(during), max(gaps, default=None))
+    # A big input on the engine's thread stalled the stream for about a second; a gap of a
+    # quarter second is the other pytest worker sharing the machine's two cores.
+    assert len(during) > 10 and max(gaps) < 0.5, (len(during), max(gaps, default=None))
 
 
 def test_a_huge_stop_list_is_a_400(server):
