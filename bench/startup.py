@@ -9,8 +9,9 @@ model is imported into $JAXPAGED_HOME beforehand, so neither measures the first 
 embedded model. `LLM()` is timed inside its process from before `import jaxpaged` until the
 constructor returns (default settings: precompile on); `generate` is the whole command, wall
 clock, 8 greedy tokens. Reports seconds, the processes' peak RSS and whether torch is installed
-(transformers then imports it, about 1.5 s) to bench/results/startup.json. Run it with another
-environment's python (`/path/to/venv/bin/python bench/startup.py`) to time that one.
+(a start imports it only for a tokenizer that needs AutoTokenizer: about 1.5 s) to
+bench/results/startup.json. Run it with another environment's python
+(`/path/to/venv/bin/python bench/startup.py`) to time that one.
 """
 
 from __future__ import annotations
