@@ -128,7 +128,8 @@ def main(argv=None) -> dict:
     report = {"config": portable_config(args),
               "results": results,
               "ratio_best": new["best_output_tokens_per_s"] / old["best_output_tokens_per_s"],
-              "ratio_median": new["median_output_tokens_per_s"] / old["median_output_tokens_per_s"]}
+              "ratio_median": (new["median_output_tokens_per_s"]
+                               / old["median_output_tokens_per_s"])}
     out = args.out or REPO / "bench" / "results" / f"against-{args.commit}.json"
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{args.against} / {args.commit}: {report['ratio_best']:.3f} best, "

@@ -49,9 +49,22 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-# Tokenizer classes that are `tokenizers`' generic fast tokenizer under another name: loaded
-# without `AutoTokenizer` (see `_load_tokenizer`).
+# Tokenizer classes that are `tokenizers`' generic fast tokenizer under another name, and the
+# model types for which AutoTokenizer keeps that class when `tokenizer_config.json` names it
+# (transformers 5 forces its own class on those of its `MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`,
+# qwen2 and phi3 among them, and may give mistral `MistralCommonBackend`): these load without
+# AutoTokenizer (see `_load_tokenizer`).
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+GENERIC_TOKENIZER_MODEL_TYPES = ("llama", "gemma2", "gemma3", "gemma3_text", "qwen3")
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object file's contents; {} when it is missing or not a JSON object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _load_tokenizer(model_dir: Path):
@@ -59,26 +72,30 @@ def _load_tokenizer(model_dir: Path):
     with jaxpaged (seconds: it runs on a thread beside the model's loading).
 
     Where `tokenizer_config.json` names the generic fast tokenizer (`GENERIC_TOKENIZER_CLASSES`,
-    as checkpoints saved by transformers 5 do), that class is loaded directly, as AutoTokenizer
-    would load it: importing AutoTokenizer imports `transformers.configuration_utils`, and with
-    it torch where torch is installed (1.5 s of a 2-core machine's time at every start).
-    Otherwise AutoTokenizer reads the model config only for its `model_type` (and
-    `tokenizer_class`, and the name), which the generic `PreTrainedConfig` holds as well;
-    `AutoConfig` would first import the family's config module, and with it about a second of
-    torch.distributed."""
-    try:
-        tokenizer_class = json.loads(
-            (model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        tokenizer_class = None
-    if tokenizer_class in GENERIC_TOKENIZER_CLASSES and (model_dir / "tokenizer.json").is_file():
+    as checkpoints saved by transformers 5 do) for a model type on which AutoTokenizer keeps it
+    (`GENERIC_TOKENIZER_MODEL_TYPES`), with no custom code (`auto_map`) and no Mistral
+    `tekken.json`, that class is loaded directly, the same tokenizer: importing AutoTokenizer
+    imports `transformers.configuration_utils`, and with it torch where torch is installed
+    (1.5 s of a 2-core machine's time at every start). Otherwise AutoTokenizer reads the model
+    config only for its `model_type` (and `tokenizer_class`, and the name), which the generic
+    `PreTrainedConfig` holds as well; `AutoConfig` would first import the family's config
+    module, and with it about a second of torch.distributed."""
+    tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+    tokenizer_class = tokenizer_config.get("tokenizer_class")
+    model_type = _read_json(model_dir / "config.json").get("model_type")
+    if (tokenizer_class in GENERIC_TOKENIZER_CLASSES
+            and model_type in GENERIC_TOKENIZER_MODEL_TYPES
+            and "auto_map" not in tokenizer_config
+            and (model_dir / "tokenizer.json").is_file()
+            and not (model_dir / "tekken.json").exists()):
         import transformers
         return getattr(transformers, tokenizer_class).from_pretrained(model_dir)
 
     from transformers import AutoTokenizer, PreTrainedConfig
 
     try:
-        config = PreTrainedConfig(**json.loads((model_dir / "config.json").read_text()))
+        config = PreTrainedConfig(**json.loads((model_dir / "config.json").read_text(
+            encoding="utf-8")))
         config._name_or_path = str(model_dir)  # as AutoConfig sets it
     except (OSError, ValueError, TypeError):  # no or an odd config.json: AutoConfig's way
         return AutoTokenizer.from_pretrained(model_dir)
@@ -181,7 +198,7 @@ class LLMEngine:
         path = model_dir / "generation_config.json"
         if path.is_file():
             try:
-                eos = json.loads(path.read_text()).get("eos_token_id")
+                eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
             except (ValueError, AttributeError) as e:
                 raise ValueError(f"{path} is not a JSON object: {e}") from e
             ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])

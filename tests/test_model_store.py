@@ -76,24 +76,37 @@ def test_import_needs_no_torch(tmp_path):
     assert (folder / "model.safetensors").stat().st_size > 500e6
 
 
-def test_engine_tokenizer_equals_auto_tokenizer_and_imports_no_torch(default_model_dir):
-    """The engine loads a checkpoint's generic fast tokenizer directly (`_load_tokenizer`),
-    not through AutoTokenizer, whose import brings in torch: the same tokenizer, in a process
-    that never imports torch."""
-    import subprocess
-    import sys
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gemma2", "qwen3", "qwen2",
+                                        "phi3"])
+def test_engine_tokenizer_equals_auto_tokenizer(default_model_dir, tmp_path, model_type):
+    """The engine loads the generic fast tokenizer class directly where AutoTokenizer would
+    load it too (`_load_tokenizer`), and goes through AutoTokenizer where transformers forces
+    a class of its own (qwen2, phi3): the same tokenizer either way."""
+    import shutil
 
     from transformers import AutoTokenizer
 
     from jaxpaged.llm_engine import _load_tokenizer
 
-    ours, reference = _load_tokenizer(default_model_dir), AutoTokenizer.from_pretrained(
-        default_model_dir)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    ours, reference = _load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
     assert type(ours) is type(reference)
-    for text in TEXTS:
+    for text in TEXTS + ["e\u0301 combining, ﬁ ligature"]:
         assert ours(text).input_ids == reference(text).input_ids, text
     assert ours.all_special_tokens == reference.all_special_tokens
+    assert ours.eos_token_id == reference.eos_token_id
     assert ours.chat_template == reference.chat_template
+
+
+def test_engine_tokenizer_imports_no_torch(default_model_dir):
+    """The default model's tokenizer loads in a process that never imports torch (importing
+    AutoTokenizer brings it in: 1.5 s at every start)."""
+    import subprocess
+    import sys
+
     code = ("import sys\n"
             "from pathlib import Path\n"
             "from jaxpaged.llm_engine import _load_tokenizer\n"

@@ -124,8 +124,8 @@ def test_edge_settings_keep_the_reference_sets():
     for top_k, top_p in [(1, 1.0), (V, 1.0), (V + 5, 1.0), (-1, 1.0), (2, 1.0), (0, 1e-6),
                          (0, 1.0), (3, 0.999), (0, 0.7), (5, 1e-6)]:
         cutoff = cutoff_jit(x[None], np.array([top_k], np.int32),
-                                    np.array([top_p], np.float32),
-                                    max(1, num_candidates([top_k], [top_p], V)))
+                            np.array([top_p], np.float32),
+                            max(1, num_candidates([top_k], [top_p], V)))
         kept, _ = reference_kept(x, top_k, top_p)
         np.testing.assert_array_equal(kept_by(x, cutoff), kept, str((top_k, top_p)))
     # top_p 1 with top-k keeps all k even where float32 sums of the masses round to 1.
@@ -162,7 +162,7 @@ def test_cutoff_equals_the_sort_reference(data):
     C = data.draw(st.sampled_from([c for c in (1, 2, 4, 8, 16, 32, 64, 128) if least <= c <= V]
                                   or [V]))
     cutoff = cutoff_jit(x[None], np.array([top_k], np.int32),
-                                np.array([top_p], np.float32), C)
+                        np.array([top_p], np.float32), C)
     np.testing.assert_array_equal(kept_by(x, cutoff), kept)
 
 
