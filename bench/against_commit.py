@@ -133,8 +133,8 @@ def main(argv=None) -> dict:
     out = args.out or REPO / "bench" / "results" / f"against-{args.commit}.json"
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{args.against} / {args.commit}: {report['ratio_best']:.3f} best, "
-          f"{report['ratio_median']:.3f} median (best {new['best_output_tokens_per_s']:.1f} vs {old['best_output_tokens_per_s']:.1f}"
-          f" output tok/s); {portable(out)}")
+          f"{report['ratio_median']:.3f} median (best {new['best_output_tokens_per_s']:.1f} vs "
+          f"{old['best_output_tokens_per_s']:.1f} output tok/s); {portable(out)}")
     return report
 
 

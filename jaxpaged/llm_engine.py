@@ -193,7 +193,11 @@ class LLMEngine:
 
         `generation_config.json` is read as JSON, as `GenerationConfig.from_pretrained` reads
         its `eos_token_id` (an id or a list), without importing transformers' generation
-        module (and torch with it)."""
+        module (and torch with it).
+
+        Raises:
+          ValueError: `generation_config.json` is not a JSON object (its path named).
+        """
         ids = set(self.model_config.eos_token_ids)
         path = model_dir / "generation_config.json"
         if path.is_file():

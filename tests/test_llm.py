@@ -176,3 +176,19 @@ def test_unknown_model_raises_value_error(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         LLM(tmp_path)
+
+
+def test_generation_config_eos_ids_and_a_bad_one_named(tiny_model_dir, tmp_path):
+    """`generation_config.json`'s eos_token_id (an id or a list) joins the stop ids; a file
+    that is not a JSON object is a ValueError naming it."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "generation_config.json").write_text('{"eos_token_id": [2, 7]}')
+    llm = LLM(model, max_model_len=64, num_kv_blocks=16, precompile=False)
+    assert {2, 7} <= llm.llm_engine.eos_token_ids
+    del llm
+    (model / "generation_config.json").write_text("[2, 7]")
+    with pytest.raises(ValueError, match="generation_config.json is not a JSON object"):
+        LLM(model, max_model_len=64, num_kv_blocks=16, precompile=False)
