@@ -58,13 +58,13 @@ GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 GENERIC_TOKENIZER_MODEL_TYPES = ("llama", "gemma2", "gemma3", "gemma3_text", "qwen3")
 
 
-def _read_json(path: Path) -> dict:
-    """A JSON object file's contents; {} when it is missing or not a JSON object."""
+def _read_json(path: Path) -> dict | None:
+    """A JSON object file's contents; None when it is missing or not a JSON object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _load_tokenizer(model_dir: Path):
@@ -80,11 +80,11 @@ def _load_tokenizer(model_dir: Path):
     config only for its `model_type` (and `tokenizer_class`, and the name), which the generic
     `PreTrainedConfig` holds as well; `AutoConfig` would first import the family's config
     module, and with it about a second of torch.distributed."""
-    tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+    tokenizer_config = _read_json(model_dir / "tokenizer_config.json") or {}
+    model_config = _read_json(model_dir / "config.json")
     tokenizer_class = tokenizer_config.get("tokenizer_class")
-    model_type = _read_json(model_dir / "config.json").get("model_type")
     if (tokenizer_class in GENERIC_TOKENIZER_CLASSES
-            and model_type in GENERIC_TOKENIZER_MODEL_TYPES
+            and (model_config or {}).get("model_type") in GENERIC_TOKENIZER_MODEL_TYPES
             and "auto_map" not in tokenizer_config
             and (model_dir / "tokenizer.json").is_file()
             and not (model_dir / "tekken.json").exists()):
@@ -93,12 +93,13 @@ def _load_tokenizer(model_dir: Path):
 
     from transformers import AutoTokenizer, PreTrainedConfig
 
-    try:
-        config = PreTrainedConfig(**json.loads((model_dir / "config.json").read_text(
-            encoding="utf-8")))
-        config._name_or_path = str(model_dir)  # as AutoConfig sets it
-    except (OSError, ValueError, TypeError):  # no or an odd config.json: AutoConfig's way
+    if model_config is None:  # no or an odd config.json: AutoConfig's way
         return AutoTokenizer.from_pretrained(model_dir)
+    try:
+        config = PreTrainedConfig(**model_config)
+    except (ValueError, TypeError):  # fields the generic config refuses: AutoConfig's way
+        return AutoTokenizer.from_pretrained(model_dir)
+    config._name_or_path = str(model_dir)  # as AutoConfig sets it
     return AutoTokenizer.from_pretrained(model_dir, config=config)
 
 
