@@ -22,6 +22,16 @@ TINY_CONFIG = dict(  # GQA (4 query heads on 2 KV heads), untied embeddings
     bos_token_id=1, eos_token_id=2)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Copies the tokenizer files (`TOKENIZER_FILES`) that HF folder `src` has into `dst`."""
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from jaxpaged.model_store import ensure_default_model
@@ -38,9 +48,7 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
     model = LlamaForCausalLM(LlamaConfig(**TINY_CONFIG))
     model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default_model_dir / name).exists():
-            shutil.copy(default_model_dir / name, path / name)
+    copy_tokenizer(default_model_dir, path)
     return path
 
 

@@ -90,18 +90,14 @@ def test_another_dtype_or_model_shape_compiles_its_own(tiny_model_dir, warm, tmp
 
 
 def save_tiny_llama(path, tokenizer_dir, **changes):
-    import shutil
-
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from conftest import TINY_CONFIG
+    from conftest import TINY_CONFIG, copy_tokenizer
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, **changes})).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, path / name)
+    copy_tokenizer(tokenizer_dir, path)
 
 
 def test_a_damaged_entry_is_compiled_again(tiny_model_dir, warm, tmp_path):

@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from conftest import TINY_CONFIG
+from conftest import TINY_CONFIG, copy_tokenizer
 from jaxpaged import SamplingParams
 from test_parity import prefill_logits
 
@@ -73,9 +73,7 @@ def family(request, tmp_path_factory, tiny_model_dir):
                 p.uniform_(-0.5, 0.5) if name.startswith("gemma") else p.uniform_(0.5, 1.5)
     path = tmp_path_factory.mktemp(f"tiny-{name}")
     model.save_pretrained(path)
-    for f in tiny_model_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
-            shutil.copy(f, path / f.name)
+    copy_tokenizer(tiny_model_dir, path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     ids = [tokenizer(p).input_ids for p in PROMPTS]
     assert max(map(len, ids)) > 2 * WINDOW

@@ -82,15 +82,12 @@ def test_engine_tokenizer_equals_auto_tokenizer(default_model_dir, tmp_path, mod
     """The engine loads the generic fast tokenizer class directly where AutoTokenizer would
     load it too (`_load_tokenizer`), and goes through AutoTokenizer where transformers forces
     a class of its own (qwen2, phi3): the same tokenizer either way."""
-    import shutil
-
     from transformers import AutoTokenizer
 
+    from conftest import copy_tokenizer
     from jaxpaged.llm_engine import _load_tokenizer
 
-    for f in default_model_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
-            shutil.copy(f, tmp_path / f.name)
+    copy_tokenizer(default_model_dir, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     ours, reference = _load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
     assert type(ours) is type(reference)

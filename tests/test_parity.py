@@ -93,7 +93,7 @@ def tiny_qwen3_dir(tmp_path_factory, tiny_model_dir):
     """A random 2-layer Qwen3 (q/k norms; head_dim 32, not hidden_size / heads = 16)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from conftest import TINY_CONFIG
+    from conftest import TINY_CONFIG, copy_tokenizer
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-qwen3")
@@ -103,9 +103,7 @@ def tiny_qwen3_dir(tmp_path_factory, tiny_model_dir):
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight.uniform_(0.5, 1.5)
     model.save_pretrained(path)
-    for f in tiny_model_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
-            shutil.copy(f, path / f.name)
+    copy_tokenizer(tiny_model_dir, path)
     return path
 
 
