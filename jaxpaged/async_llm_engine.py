@@ -194,6 +194,21 @@ class AsyncLLMEngine:
         """Text of `token_ids`, special tokens included, on the preprocessing pool."""
         return await self.preprocess(self.engine.tokenizer.decode, token_ids)
 
+    # -- weights (the research API, between steps) ------------------------------------------
+
+    async def update_params(self, params) -> None:
+        """`LLMEngine.update_params` on the engine's thread: applied between two steps, so the
+        next step runs with the new weights (running requests keep the K/V they have)."""
+        await self.run(self.engine.update_params, params)
+
+    async def load_weights(self, weights) -> None:
+        """`LLMEngine.load_weights` on the engine's thread, between two steps."""
+        await self.run(self.engine.load_weights, list(weights))
+
+    async def reset_prefix_cache(self) -> bool:
+        """`BlockManager.reset_prefix_cache` between steps; False while requests run."""
+        return await self.run(self.engine.block_manager.reset_prefix_cache)
+
     def stats(self) -> dict[str, int]:
         """`LLMEngine.stats()` as of the last call into the engine (no waiting on a step)."""
         return dict(self._stats)

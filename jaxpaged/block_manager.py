@@ -94,9 +94,12 @@ class BlockManager:
             seq.num_cached_tokens = seq.num_computed_tokens
         return seq.block_table
 
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached block; False (and nothing done) while any block is in use."""
-        if any(self.ref_counts):
+    def reset_prefix_cache(self, force: bool = False) -> bool:
+        """Forgets every cached block; False (and nothing done) while any block is in use,
+        unless `force`: then blocks in use are forgotten too (no later sequence shares them;
+        they are freed as any other block when their sequences end). New weights make every
+        cached K/V stale (`LLMEngine.update_params`)."""
+        if any(self.ref_counts) and not force:
             return False
         self.free_block_ids.extend(self.evictable_block_ids)
         self.evictable_block_ids.clear()
@@ -110,12 +113,14 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks of `seq`'s longest cached run of leading full blocks, leaving at
-        least its last token uncached. None for requests that want prompt logprobs (those need
-        every prompt position computed)."""
+        least its last token uncached (for a scoring sequence, the token before the first one
+        scored: its logits score that one). None for requests that want prompt logprobs (those
+        need every prompt position computed)."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
+        first_needed = seq.num_tokens - 1 if seq.scoring is None else seq.scoring.start - 1
         hits = []
-        for h in self._full_block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
+        for h in self._full_block_hashes(seq, first_needed // self.block_size):
             block_id = self.cached_block_ids.get(h)
             if block_id is None:
                 break

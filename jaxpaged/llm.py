@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from collections.abc import Sequence as SequenceABC
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
@@ -13,6 +18,7 @@ from jaxpaged.config import CacheConfig
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.llm_engine import LLMEngine
 from jaxpaged.model_store import resolve_model
+from jaxpaged.models import dense_forward
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.parallel import init_distributed
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -103,6 +109,7 @@ class LLM:
                                     precompile=precompile,
                                     tensor_parallel_size=tensor_parallel_size,
                                     compilation_cache_dir=compilation_cache_dir)
+        self._dense_forward = None  # jitted on first use
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -233,6 +240,153 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache (for timing cold starts); False while requests run."""
         return self.llm_engine.block_manager.reset_prefix_cache()
+
+    # -- the research API: log-probabilities out, weights in, memory back ----------------
+
+    def completion_logprobs(self, prompt_token_ids, completion_token_ids,
+                            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                            use_tqdm: bool = False) -> list[np.ndarray]:
+        """The log-probability of each completion token given everything before it, teacher
+        forced through the paged engine (tunix's `get_per_token_logps`).
+
+        The distribution is the one sampling with these parameters draws from (`sampler`):
+        logits divided by `temperature`, then top-k and top-p applied and renormalized; -inf
+        for a token they remove. At temperature 0 (greedy) it is the model's log-softmax, as
+        `generate` reports a greedy sample's processed logprobs. With the defaults it is
+        the model's log-softmax, which `generate` reports as `logprobs` ("raw"); with others it
+        equals `generate`'s logprobs under `logprobs_mode="processed"` (no min-p, penalties or
+        bias here). Pairs are batched as prompts are, chunked, and a prompt shared by several
+        completions is computed once when prefix caching is on: the first completion of each
+        distinct prompt runs first, the others then find its blocks in the prefix cache.
+
+        Args:
+          prompt_token_ids: one prompt per completion (list of lists of ints), or one list of
+            ints shared by all completions.
+          completion_token_ids: a list of lists of ints (one completion: a list of ints).
+          temperature, top_k, top_p: as in `SamplingParams` (same ranges).
+          use_tqdm: show a progress bar.
+
+        Returns:
+          One f32[len(completion)] NumPy array per completion, in order.
+
+        Raises:
+          ValueError: counts that differ, an empty prompt, ids outside the vocabulary, a pair
+            longer than `max_model_len` - 1, or a parameter out of range (named); raised before
+            anything runs.
+          RuntimeError: the engine is asleep.
+        """
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        completions = list(completion_token_ids)
+        if completions and not isinstance(completions[0], (list, tuple, np.ndarray)):
+            completions = [completions]  # a single completion
+        prompts = list(prompt_token_ids)
+        if prompts and not isinstance(prompts[0], (list, tuple, np.ndarray)):
+            prompts = [prompts] * len(completions)  # one prompt for all
+        if len(prompts) != len(completions):
+            raise InvalidRequestError("prompt_token_ids", f"got {len(prompts)} prompts for "
+                                      f"{len(completions)} completions")
+        engine = self.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("completion_logprobs needs an idle engine")
+        # Validate all, then queue them: the first of each distinct prompt runs first.
+        first, rest, seen = [], [], set()
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            ids, start = engine.scoring_prompt(prompt, completion)
+            key = tuple(ids[:start])
+            (rest if key in seen else first).append((i, ids, start))
+            seen.add(key)
+        waves = [first, rest] if engine.cache_config.enable_prefix_caching else [first + rest]
+        seqs: dict[int, object] = {}
+        try:
+            with tqdm(total=len(completions), desc="Scored completions",
+                      disable=not use_tqdm) as bar:
+                for wave in waves:
+                    for i, ids, start in wave:
+                        seqs[i] = engine.add_scoring_request(ids, start, params)
+                    while engine.has_unfinished_requests():
+                        for output in engine.step():
+                            bar.update(int(output.finished))
+        finally:  # an interrupted run must not leave requests holding blocks
+            for seq in seqs.values():
+                engine.abort_request(seq.request_id)
+        return [seqs[i].scoring.logprobs for i in range(len(completions))]
+
+    # -- the research API: weights in, memory back ---------------------------------------
+
+    def get_params(self) -> nnx.State:
+        """The parameter tree the engine serves: an `nnx.State` (a pytree; `nnx.to_pure_dict`
+        gives nested dicts) of `jax.Array`s on the engine's devices with its shardings, laid out
+        as the family's module holds them (q/k/v and gate/up stacked, kernels `f[in, out]`; see
+        `jaxpaged.models.llama`). The tree `dense_forward` and `update_params` take.
+
+        Raises:
+          RuntimeError: the weights were released by `sleep(level=2)`.
+        """
+        return self.llm_engine.get_params()
+
+    def dense_forward(self, params: nnx.State, input_ids, attention_mask=None) -> jax.Array:
+        """The served model as a plain causal forward (no KV pool, no engine), jitted and
+        differentiable in `params`: for a training step on the weights the engine serves.
+        Its logits equal the engine's for the same tokens (`jaxpaged.models.dense_forward`).
+
+        Args:
+          params: `get_params()`, or a tree of its structure (an `nnx.State`; `jax.grad` of a
+            loss of this function gives one).
+          input_ids: i32[B, T] token ids.
+          attention_mask: [B, T], 1 at real tokens, 0 at padding (left or right); None: none.
+
+        Returns:
+          f32[B, T, V] logits at every position.
+        """
+        if self._dense_forward is None:
+            self._dense_forward = jax.jit(functools.partial(dense_forward,
+                                                            self.llm_engine.runner.graphdef))
+        return self._dense_forward(params, jnp.asarray(input_ids, jnp.int32),
+                                   None if attention_mask is None else jnp.asarray(attention_mask))
+
+    def update_params(self, params) -> None:
+        """Serves with new weights from the next step: no disk, no recompilation. The prefix
+        cache is dropped (its K/V came from the old weights).
+
+        Args:
+          params: a tree of `get_params`'s structure (an `nnx.State` or its pure nested dict),
+            leaves `jax.Array`s (sharded or not, on any device: each is placed with the
+            engine's sharding) or NumPy arrays, of each parameter's shape and dtype.
+
+        Raises:
+          ValueError: a missing or unknown parameter, or one of another shape or dtype, named;
+            checked before anything changes, so the old weights keep serving.
+        """
+        self.llm_engine.update_params(params)
+
+    def load_weights(self, weights) -> None:
+        """Replaces the parameters named by Hugging Face checkpoint names (vLLM's
+        `load_weights`): `weights` is an iterable of `(hf_name, array)` pairs, arrays in the
+        checkpoint's orientation (`nn.Linear.weight` is `[out, in]`) and any float dtype (cast
+        to the engine's). q/k/v and gate/up are written into their stacked parameters as the
+        loader does; any subset may be given. Then as `update_params`.
+
+        Raises:
+          ValueError: a name that is no parameter of the model, or a wrong shape, named.
+        """
+        self.llm_engine.load_weights(weights)
+
+    def sleep(self, level: int = 1) -> None:
+        """Hands memory back while the engine is idle (vLLM's sleep mode). Level 1 releases the
+        KV pool (the prefix cache with it) and keeps the weights; level 2 also drops the
+        engine's references to the weights (their memory is freed unless the caller holds
+        them). `wake_up` restores; `update_params` may give new weights while asleep.
+        Generating while asleep raises RuntimeError.
+
+        Raises:
+          ValueError: a level other than 1 or 2. RuntimeError: requests are running.
+        """
+        self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Undoes `sleep`: an empty KV pool, and after level 2 the weights, read again from the
+        model folder unless `update_params` gave them meanwhile. Compiles nothing."""
+        self.llm_engine.wake_up()
 
     def stats(self) -> dict[str, int]:
         """num_total_blocks, num_free_blocks, num_running, num_waiting, num_preemptions."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxpaged import compilation_cache
 from jaxpaged.block_manager import BlockManager
@@ -24,15 +25,16 @@ from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import EngineDeadError, InvalidRequestError
 from jaxpaged.faults import FaultIsolatingExecutor, describe
 from jaxpaged.input_processor import InputProcessor
-from jaxpaged.model_runner import ModelRunner, num_kv_blocks
+from jaxpaged.model_runner import ModelRunner, flat_params, num_kv_blocks
 from jaxpaged.models import load_config, load_model
+from jaxpaged.models.loader import params_from_hf_weights
 from jaxpaged.outputs import Logprob, RequestMetrics, RequestOutput
 from jaxpaged.parallel import make_mesh
 from jaxpaged.request import Request, new_stop_state
 from jaxpaged.pallas_kernels import make_attention_backend
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Sequence
+from jaxpaged.sequence import Scoring, Sequence
 from jaxpaged.stop_strings import StopStringState
 from jaxpaged.structured_outputs import GrammarCompiler
 
@@ -159,6 +161,7 @@ class LLMEngine:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(_load_tokenizer, model_dir)
             model = load_model(model_dir, self.model_config, self.dtype, backend, self.mesh)
+            self.model_cls = type(model)
             self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
                                       max_num_seqs=self.scheduler_config.max_num_seqs,
                                       max_model_len=self.scheduler_config.max_model_len,
@@ -188,6 +191,8 @@ class LLMEngine:
         self.num_failed_requests = 0  # requests failed by a fault in a step
         self.num_prompt_tokens = 0  # prompt tokens computed (recomputes included)
         self.num_generation_tokens = 0  # tokens sampled
+        self.model_dir = model_dir
+        self.sleep_level = 0  # `sleep`: 0 awake, 1 without the KV pool, 2 without the weights too
 
     def _eos_token_ids(self, model_dir: Path) -> set[int]:
         """The config's, the generation config's and the tokenizer's end-of-sequence ids.
@@ -210,6 +215,66 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+    # -- weights and memory -------------------------------------------------------------------
+
+    def get_params(self) -> nnx.State:
+        """The parameter tree the engine serves (`LLM.get_params`).
+
+        Raises:
+          RuntimeError: the weights were released by `sleep(level=2)` and not restored.
+        """
+        if self.runner.params is None:
+            raise RuntimeError("the weights were released by sleep(level=2): restore them with "
+                               "update_params(...) or wake_up()")
+        return self.runner.params
+
+    def update_params(self, params) -> None:
+        """Serves with `params` from the next step (`ModelRunner.replace_params`) and drops the
+        prefix cache, whose K/V the old weights computed. Sequences already running keep the
+        K/V they have."""
+        self._check_alive()
+        self.runner.replace_params(params)
+        self.block_manager.reset_prefix_cache(force=True)
+
+    def load_weights(self, weights) -> None:
+        """Replaces the parameters that `(HF name, array)` pairs name
+        (`models.loader.params_from_hf_weights`), the others kept, as `update_params` does.
+        Single-process: stacked parameters are read back to the host to write a part."""
+        current = flat_params(self.get_params())
+        changed = params_from_hf_weights(self.model_cls, self.model_config, current, weights,
+                                         self.dtype)
+        self.update_params({**current, **changed})
+
+    def sleep(self, level: int = 1) -> None:
+        """Releases the KV pool (level 1) and the weights too (level 2); see `LLM.sleep`.
+
+        Raises:
+          ValueError: a level other than 1 or 2.
+          RuntimeError: requests are still running.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("sleep needs an idle engine: requests are still running")
+        self.block_manager.reset_prefix_cache()
+        self.runner.release(kv_cache=True, params=level == 2)
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self) -> None:
+        """Restores what `sleep` released: a new (empty) KV pool, and the weights read again from
+        the model folder unless `update_params` gave new ones meanwhile."""
+        if self.runner.params is None:
+            model = load_model(self.model_dir, self.model_config, self.dtype,
+                               self.runner.backend, self.mesh)
+            self.runner.replace_params(nnx.split(model)[1])
+        self.runner.restore_kv_cache()
+        self.sleep_level = 0
+
+    def _check_awake(self) -> None:
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is asleep (sleep level {self.sleep_level}): call "
+                               "wake_up() before generating")
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -236,6 +301,7 @@ class LLMEngine:
           invalid `structured_outputs` schema, regex or grammar.
         """
         self._check_alive()
+        self._check_awake()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {params!r:.80}")
         params.check_vocab(self.model_config.vocab_size)
@@ -261,6 +327,50 @@ class LLMEngine:
                                             RequestMetrics(arrival_time=time.time()))
         self.scheduler.add(seq)
         return request_id
+
+    def scoring_prompt(self, prompt_token_ids, completion_token_ids) -> tuple[list[int], int]:
+        """(token ids, index of the first scored one) of a completion to score after a prompt
+        (`LLM.completion_logprobs`), validated.
+
+        Raises:
+          InvalidRequestError (a ValueError): an empty prompt, token ids outside the
+            vocabulary, or prompt and completion together not under `max_model_len`.
+        """
+        for field, ids in (("prompt_token_ids", prompt_token_ids),
+                           ("completion_token_ids", completion_token_ids)):
+            if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__len__"):
+                raise InvalidRequestError(field, f"{field} must be a list of token ids, got "
+                                          f"{type(ids).__name__}: {ids!r:.80}")
+        if len(prompt_token_ids) == 0:
+            raise InvalidRequestError("prompt_token_ids", "prompt_token_ids is empty: the first "
+                                      "completion token needs a token before it")
+        start = len(prompt_token_ids)
+        ids = list(prompt_token_ids) + list(completion_token_ids)
+        limit = self.scheduler_config.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                "completion_token_ids", f"{start} prompt and {len(ids) - start} completion "
+                f"tokens: together they must be fewer than max_model_len={limit}")
+        return self.tokenize_prompt({"prompt_token_ids": ids})[1], start
+
+    def add_scoring_request(self, ids: list[int], start: int, params: SamplingParams
+                            ) -> Sequence:
+        """Queues the scoring of `ids[start:]` given the tokens before each (`scoring_prompt`)
+        under `params`' temperature, top-k and top-p; returns its sequence, whose
+        `scoring.logprobs` are complete once its request has finished. It runs as a prompt
+        (chunked and prefix-cached as any other, never from the cache past `start` - 1), then
+        draws one token, which is dropped."""
+        score = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                               output_kind=RequestOutputKind.FINAL_ONLY)
+        request_id = self.add_request({"prompt_token_ids": ids}, score)
+        seq = self.requests[request_id].seqs[0]  # not scheduled before the next step
+        # A greedy sample's processed distribution is untruncated (the sampler's greedy rows
+        # take the argmax, with no top-k / top-p), and so is a greedy scoring's.
+        greedy = params.temperature == 0
+        seq.scoring = Scoring(start, params.temperature, 0 if greedy else params.top_k,
+                              1.0 if greedy else params.top_p,
+                              np.full((len(ids) - start,), np.nan, np.float32))
+        return seq
 
     @functools.cached_property
     def grammar_compiler(self) -> GrammarCompiler:

@@ -50,6 +50,14 @@ class SampledToken:
     top: list[tuple[int, float]] | None
 
 
+def flat_params(params) -> dict:
+    """path ("layers.0.self_attn.qkv_proj.kernel") -> leaf, of an `nnx.State` or of its pure
+    nested dict, in the tree's order."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)): x
+            for path, x in leaves}
+
+
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
     """Pool layout `[L, 2, K, P, S, H]` (see `pallas_kernels.reference`)."""
     return (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size,
@@ -78,11 +86,17 @@ class ModelRunner:
         self.limits = StepLimits(block_size=self.block_size, num_blocks=num_blocks,
                                  max_seq_slots=bucket(max_num_seqs),
                                  max_blocks_per_seq=-(-self.max_model_len // self.block_size))
-        graphdef, self.params = nnx.split(model)
+        self.graphdef, self.params = nnx.split(model)
+        graphdef = self.graphdef
+        # What `replace_params` checks a new parameter against: path -> (shape, dtype, sharding).
+        self._param_treedef = jax.tree.structure(self.params)
+        self.param_specs = {path: (tuple(x.shape), x.dtype, x.sharding)
+                            for path, x in flat_params(self.params).items()}
         shape = kv_cache_shape(self.config, num_blocks, self.block_size)
         self.mesh = self.backend.mesh  # tensor parallelism's, or None: one device
         if self.mesh is None:
-            self.kv_cache = jnp.zeros(shape, dtype)
+            self._zeros_pool = lambda: jnp.zeros(shape, dtype)
+            self.kv_cache = self._zeros_pool()
             self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
                                  static_argnums=3)
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
@@ -92,7 +106,8 @@ class ModelRunner:
             # device, so each process has the sampled tokens).
             pool = NamedSharding(self.mesh, KV_CACHE_SPEC)
             self.replicated = NamedSharding(self.mesh, P())
-            self.kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)()
+            self._zeros_pool = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)
+            self.kv_cache = self._zeros_pool()
             params = jax.tree.map(lambda x: x.sharding, self.params)
             self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
                                  static_argnums=3,
@@ -110,6 +125,51 @@ class ModelRunner:
         # Test-only: called with each `SchedulerOutput` at the start of `execute`; a hook that
         # raises stands for a fault in the step (tests of the engine's fault isolation).
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
+
+    # -- weights and memory (the research API: `LLM.update_params`, `LLM.sleep`) -------------
+
+    def replace_params(self, params) -> None:
+        """Serves with `params` from the next step: the same executables (no compilation), each
+        array placed with the sharding of the one it replaces.
+
+        Args:
+          params: an `nnx.State` or a nested dict (`nnx.to_pure_dict`) of the engine's
+            parameter tree, leaves `jax.Array` (on any device, sharded or not) or NumPy arrays
+            of each parameter's shape and dtype.
+
+        Raises:
+          ValueError: a parameter missing or extra, or of another shape or dtype (its path
+            named); nothing is replaced then.
+        """
+        new = flat_params(params)
+        missing = [p for p in self.param_specs if p not in new]
+        extra = [p for p in new if p not in self.param_specs]
+        if missing or extra:
+            raise ValueError(
+                f"update_params: the parameter tree differs from the engine's: "
+                + (f"missing {missing[:4]}" if missing else f"unknown {extra[:4]}"))
+        for path, (shape, dtype, _) in self.param_specs.items():
+            x = new[path] = new[path] if hasattr(new[path], "dtype") else np.asarray(new[path])
+            if tuple(x.shape) != shape or x.dtype != dtype:
+                raise ValueError(f"update_params: parameter {path!r} is {x.dtype}"
+                                 f"{list(x.shape)}, the engine's is {dtype}{list(shape)}")
+        placed = [jax.device_put(new[path], sharding)
+                  for path, (_, _, sharding) in self.param_specs.items()]
+        self.params = jax.tree.unflatten(self._param_treedef, placed)
+
+    def release(self, kv_cache: bool = True, params: bool = False) -> None:
+        """Lets go of the KV pool (its contents are lost) and, with `params`, of the engine's
+        references to the parameters (freed unless the caller holds them too)."""
+        if kv_cache and self.kv_cache is not None:
+            self.kv_cache.delete()
+            self.kv_cache = None
+        if params:
+            self.params = None
+
+    def restore_kv_cache(self) -> None:
+        """A new KV pool of zeros in place of one `release` let go of."""
+        if self.kv_cache is None:
+            self.kv_cache = self._zeros_pool()
 
     @property
     def num_compilations(self) -> int:
@@ -242,17 +302,23 @@ class ModelRunner:
             self.apply_copies(out.blocks_to_copy)
         batch = self.prepare(out.seqs, out.num_scheduled_tokens)
         want = [row for row, seq in enumerate(out.seqs) if self._wants_prompt_logprobs(seq)]
-        logits = self._run_step(batch, all_positions=bool(want))
+        scored = self._scored_tokens(out, batch.attention.query_start_loc)
+        logits = self._run_step(batch, all_positions=bool(want or scored))
         prompt_lps = {}
-        if want:
-            k = max(out.seqs[row].params.prompt_logprobs for row in want)
+        if want or scored:
             md = batch.attention
             last = np.minimum(md.query_start_loc[:-1] + np.maximum(md.query_lens - 1, 0),
                               len(batch.input_ids) - 1)
-            logits, *plp = prompt_logprobs(logits, batch.input_ids, last,
-                                           num_logprobs=next_power_of_2(k) if k else 0)
-            prompt_lps = self._collect_prompt_logprobs(out, md.query_start_loc, want,
-                                                       jax.device_get(plp))
+            if scored:
+                self._score(logits, scored)
+            if want:
+                k = max(out.seqs[row].params.prompt_logprobs for row in want)
+                logits, *plp = prompt_logprobs(logits, batch.input_ids, last,
+                                               num_logprobs=next_power_of_2(k) if k else 0)
+                prompt_lps = self._collect_prompt_logprobs(out, md.query_start_loc, want,
+                                                           jax.device_get(plp))
+            else:
+                logits = sampler.gather_rows(logits, last)
         per_row = [[] for _ in out.seqs]
         samples = [(row, seq, j) for row, seq in enumerate(out.seqs) if out.completes(row)
                    for j in range(1 + seq.num_forks)]
@@ -263,7 +329,9 @@ class ModelRunner:
         num_logprobs = next_power_of_2(num_logprobs) if num_logprobs else 0
         res = jax.device_get(self._sample(
             sampler.gather_rows(logits, rows), md,
-            all_greedy=all(s.params.is_greedy for _, s, _ in samples),
+            # Processed logprobs read the truncated distribution, which the greedy path skips.
+            all_greedy=all(s.params.is_greedy and s.params.logprobs_mode == "raw"
+                           for _, s, _ in samples),
             num_logprobs=num_logprobs))
         for i, (row, seq, _) in enumerate(samples):
             k = seq.params.logprobs
@@ -272,6 +340,38 @@ class ModelRunner:
             per_row[row].append(SampledToken(int(res.token_ids[i]), float(res.logprobs[i]),
                                              int(res.ranks[i]), top))
         return per_row, prompt_lps
+
+    @staticmethod
+    def _scored_tokens(out: SchedulerOutput, query_start_loc: np.ndarray
+                       ) -> list[tuple[Sequence, int, int]]:
+        """(seq, packed token index t, position p) of each token of the step whose logits score
+        its scoring sequence's next token (p + 1 >= `Scoring.start`)."""
+        scored = []
+        for row, (seq, q) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+            if seq.scoring is None:
+                continue
+            first = seq.num_computed_tokens
+            for p in range(max(first, seq.scoring.start - 1),
+                           min(first + q, seq.num_prompt_tokens - 1)):
+                scored.append((seq, int(query_start_loc[row]) + p - first, p))
+        return scored
+
+    def _score(self, logits: jax.Array, scored: list[tuple[Sequence, int, int]]) -> None:
+        """Fills the scoring sequences' `Scoring.logprobs` from the step's logits at every
+        token f32[T, V] (`sampler.token_logprobs`)."""
+        T = logits.shape[0]
+        targets, top_k = np.zeros((T,), np.int32), np.zeros((T,), np.int32)
+        temperature, top_p = np.ones((T,), np.float32), np.ones((T,), np.float32)
+        for seq, t, p in scored:
+            sc = seq.scoring
+            targets[t] = seq.token_ids[p + 1]
+            temperature[t], top_k[t], top_p[t] = sc.temperature, sc.top_k, sc.top_p
+        C = num_candidates([s.scoring.top_k for s, _, _ in scored],
+                           [s.scoring.top_p for s, _, _ in scored], self.config.vocab_size)
+        values = jax.device_get(sampler.token_logprobs(logits, targets, temperature, top_k,
+                                                       top_p, num_candidates=C))
+        for seq, t, p in scored:
+            seq.scoring.logprobs[p + 1 - seq.scoring.start] = values[t]
 
     @staticmethod
     def _wants_prompt_logprobs(seq: Sequence) -> bool:
@@ -369,6 +469,9 @@ class ModelRunner:
             repetition_penalty=f["repetition_penalty"] if use_penalties else None,
             frequency_penalty=f["frequency_penalty"] if use_penalties else None,
             presence_penalty=f["presence_penalty"] if use_penalties else None,
+            processed_logprobs=(np.array([p.logprobs_mode == "processed" for p in params]
+                                         + [False] * (R - len(params)))
+                                if any(p.logprobs_mode == "processed" for p in params) else None),
             num_candidates=num_candidates([p.top_k for p in params if not p.is_greedy],
                                           [p.top_p for p in params if not p.is_greedy], V))
         return row_index, md

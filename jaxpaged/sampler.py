@@ -12,7 +12,9 @@ compiled variants depend on the sample count R alone, not on the step's shape.
 
 Order of processing (vLLM's): logit bias and token masks, then repetition / frequency / presence
 penalties, then temperature, min-p, top-k and top-p. Returned log-probabilities are those of the
-raw model logits (before any of these).
+raw model logits (before any of these), or, for samples whose `logprobs_mode` is "processed",
+of the distribution after all of them (-inf for the tokens they remove), the one the token is
+drawn from; `token_logprobs` scores given tokens under the same processing.
 
 Nothing sorts the vocabulary. Truncation reduces to one cutoff logit per row (the row keeps
 every token at or above it): top-k and top-p read it off a `lax.top_k` candidate set of the
@@ -62,6 +64,9 @@ class SamplingMetadata:
     repetition_penalty: jax.Array | None = None  # f32[R]
     frequency_penalty: jax.Array | None = None  # f32[R]
     presence_penalty: jax.Array | None = None  # f32[R]
+    # bool[R]: the sample's log-probabilities are those of the processed distribution it is
+    # drawn from (`SamplingParams.logprobs_mode` "processed"); None when no sample asks.
+    processed_logprobs: jax.Array | None = None
     # Static: the top-k candidate set size C (`num_candidates`); 0 when no sample truncates.
     num_candidates: int = dataclasses.field(default=0, metadata=dict(static=True))
 
@@ -271,7 +276,14 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
         # A row with every token masked (logit bias and min_tokens together can do that) has
         # nothing to draw from: it takes the greedy path's token, as a greedy row would.
         tokens = jnp.where((md.temperature > 0) & jnp.isfinite(row_max[:, 0]), drawn, tokens)
-    return SamplerOutput(tokens, *_logprob_stats(logits, tokens, num_logprobs))
+    stats = _logprob_stats(logits, tokens, num_logprobs)
+    if md.processed_logprobs is not None:
+        processed = _logprob_stats(x, tokens, num_logprobs)
+        pick = md.processed_logprobs
+        stats = [None if raw is None else
+                 jnp.where(pick.reshape(-1, *(1,) * (raw.ndim - 1)), new, raw)
+                 for raw, new in zip(stats, processed)]
+    return SamplerOutput(tokens, *stats)
 
 
 sample_jit = jax.jit(sample, static_argnames=("all_greedy", "num_logprobs"))
@@ -326,3 +338,27 @@ def prompt_logprobs(logits: jax.Array, input_ids: jax.Array, last: jax.Array, *,
     """
     target = jnp.concatenate([input_ids[1:], jnp.zeros_like(input_ids[:1])])
     return (logits[last], *_logprob_stats(logits, target, num_logprobs))
+
+
+def processed_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                     top_p: jax.Array, num_candidates: int) -> jax.Array:
+    """f32[R, V] logits / temperature (1 where it is 0, as for greedy samples), -inf outside
+    each row's top-k / top-p set: the distribution `sample` draws from (min-p, penalties and
+    biases aside)."""
+    x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    if num_candidates:
+        cutoff = top_k_top_p_cutoff(x, top_k, top_p, num_candidates)
+        x = jnp.where(x >= cutoff[:, None], x, -jnp.inf)
+    return x
+
+
+@functools.partial(jax.jit, static_argnames=("num_candidates",))
+def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: jax.Array,
+                   top_k: jax.Array, top_p: jax.Array, *, num_candidates: int) -> jax.Array:
+    """f32[T] the log-probability of targets i32[T] under each row of f32[T, V] logits, after
+    temperature (f32[T]) and top-k / top-p (i32[T], f32[T]; `num_candidates` static) as
+    `sample` applies them, renormalized; -inf for a target they remove
+    (`LLM.completion_logprobs`)."""
+    x = processed_logits(logits, temperature, top_k, top_p, num_candidates)
+    chosen = jnp.take_along_axis(x, targets[:, None], axis=-1)[:, 0]
+    return chosen - jax.nn.logsumexp(x, axis=-1)

@@ -12,6 +12,7 @@ from jaxpaged.stop_strings import StopStrings
 from jaxpaged.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for per token (vLLM's default)
+LOGPROBS_MODES = ("raw", "processed")
 MAX_STOP_STRINGS = 64  # stop strings per request
 MAX_STOP_STRING_CHARS = 256  # characters per stop string
 
@@ -52,6 +53,10 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop tokens are masked until this many are generated
     logprobs: int | None = None  # top log-probabilities returned per output token (+ sampled)
     prompt_logprobs: int | None = None  # the same for prompt tokens
+    # Which distribution `logprobs` report (vLLM's `logprobs_mode`): "raw", the model's
+    # log-softmax; "processed", the one the token is drawn from, after logit bias, penalties,
+    # temperature, min-p, top-k and top-p (-inf for tokens they remove).
+    logprobs_mode: str = "raw"
     skip_special_tokens: bool = True  # leave special tokens out of the text
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
@@ -108,6 +113,8 @@ class SamplingParams:
             value = getattr(self, field)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 bad(field, f"must be an int in [0, {MAX_LOGPROBS}] or None")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            bad("logprobs_mode", f"must be one of {list(LOGPROBS_MODES)}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                     _is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100

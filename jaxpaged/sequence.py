@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
+
+import numpy as np
 
 from jaxpaged.sampling_params import SamplingParams
 
@@ -11,6 +14,20 @@ from jaxpaged.sampling_params import SamplingParams
 def completion_seed(seed: int, index: int) -> int:
     """Seed of a request's completion `index`: seed + index (vLLM's convention for n > 1)."""
     return (seed + index) % 2**64
+
+
+@dataclasses.dataclass
+class Scoring:
+    """What a scoring sequence (`LLM.completion_logprobs`) computes: the log-probability of each
+    of its tokens from `start` on given the ones before it, under `temperature` / `top_k` /
+    `top_p` as the sampler applies them. The runner fills `logprobs` (f32[num_tokens - start])
+    as the steps compute the positions before them."""
+
+    start: int
+    temperature: float
+    top_k: int
+    top_p: float
+    logprobs: np.ndarray
 
 
 class SequenceStatus(enum.Enum):
@@ -54,6 +71,8 @@ class Sequence:
         # Structured outputs: the grammar's state after this sequence's output tokens
         # (`llguidance.LLMatcher`), None when the request has no constraint.
         self.matcher = None
+        # `LLM.completion_logprobs`: the tokens from this index on are scored, not generated.
+        self.scoring: Scoring | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -3,11 +3,12 @@
 Imports `pallas_kernels` for attention and nothing of the engine or the server.
 """
 
-from jaxpaged.models.base import ModelConfig, ModelInput, forward
+from jaxpaged.models.base import DenseBatch, ModelConfig, ModelInput, dense_forward, forward
 from jaxpaged.models.config import LlamaConfig
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.registry import (MODEL_REGISTRY, SUPPORTED_ARCHITECTURES, load_config,
                                       load_model)
 
-__all__ = ["MODEL_REGISTRY", "SUPPORTED_ARCHITECTURES", "LlamaConfig", "LlamaForCausalLM",
-           "ModelConfig", "ModelInput", "forward", "load_config", "load_model"]
+__all__ = ["MODEL_REGISTRY", "SUPPORTED_ARCHITECTURES", "DenseBatch", "LlamaConfig",
+           "LlamaForCausalLM", "ModelConfig", "ModelInput", "dense_forward", "forward",
+           "load_config", "load_model"]

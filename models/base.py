@@ -2,7 +2,9 @@
 
 A family is an `nnx.Module` whose `__call__(kv_cache, batch, all_positions)` runs one step over
 the paged KV pool and returns `(logits, kv_cache)`; `forward` is the pure function the runner
-jits. The engine and the runner see a model only through this module: `ModelInput`, `forward`
+jits. Its `dense_forward(input_ids, attention_mask)` runs the same layers on the same parameters
+as a plain causal forward over a padded batch (no pool: for training, `jax.grad`);
+`dense_forward` below is its pure form. The engine and the runner see a model only through this module: `ModelInput`, `forward`
 and the `ModelConfig` fields below. Families register in `models.registry`.
 """
 
@@ -70,3 +72,30 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_cache: jax.Array,
       updated kv_cache).
     """
     return nnx.merge(graphdef, params)(kv_cache, batch, all_positions)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseBatch:
+    """A padded batch for a dense forward: what the attention layers read instead of the
+    paged `AttentionMetadata` (`models.layers.dense_attention`)."""
+
+    mask: jax.Array  # bool[B, T] real tokens (padding left or right is False)
+    positions: jax.Array  # i32[B, T] each token's position among its row's real tokens
+
+
+def dense_forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Array,
+                  attention_mask: jax.Array | None = None) -> jax.Array:
+    """The pure dense forward: `jax.jit(partial(dense_forward, graphdef))`, differentiable in
+    `params` (the engine's tree, `LLM.get_params`).
+
+    Args:
+      graphdef, params: `nnx.split(model)` of a registered model.
+      input_ids: i32[B, T] token ids.
+      attention_mask: bool or int [B, T], 1 at real tokens (left or right padding 0); None: all
+        real. Positions count real tokens only, so a left-padded row computes as unpadded.
+
+    Returns:
+      f32[B, T, V] logits at every token (garbage at padding).
+    """
+    return nnx.merge(graphdef, params).dense_forward(input_ids, attention_mask)

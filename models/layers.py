@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpaged.models.base import ModelInput
+from jaxpaged.models.base import DenseBatch, ModelInput
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS, AttentionBackend, AttentionSpec
 
 COLUMN = (None, MODEL_AXIS)  # f[in, out] split on out
@@ -102,9 +102,46 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(batch, DenseBatch):  # a dense forward: no pool
+            out = dense_attention(q, k, v, batch, self.spec)
+            return self.o_proj(out.reshape(T, N * H)), kv_cache, None
         out, kv_cache, new_kv = self.backend.attention(
             q, k, v, kv_cache, layer, batch.attention, self.spec)
         return self.o_proj(out.reshape(T, N * H)), kv_cache, new_kv
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, batch: DenseBatch,
+                    spec: AttentionSpec) -> jax.Array:
+    """Causal grouped-query attention over a padded batch, as the paged backends compute it
+    (`pallas_kernels.reference.paged_attention_xla_packed`: scale, soft-cap, sliding window
+    over positions, softmax in float32).
+
+    Args:
+      q: f[B * T, N, H]; k, v: f[B * T, K, H], rows of `batch.mask` flattened.
+      batch: the padded batch's mask and positions.
+      spec: the layer's attention.
+
+    Returns:
+      f[B * T, N, H] in q's dtype, 0 at padding.
+    """
+    B, T = batch.mask.shape
+    _, N, H = q.shape
+    K = k.shape[1]
+    q = q.reshape(B, T, K, N // K, H)
+    k, v = k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+    s = jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) * spec.scale
+    if spec.soft_cap is not None:
+        s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
+    index = jnp.arange(T)
+    valid = (index[None, :, None] >= index[None, None, :]) & batch.mask[:, None, :]  # [B, q, s]
+    if spec.sliding_window is not None:
+        pos = batch.positions
+        valid &= pos[:, :, None] - pos[:, None, :] < spec.sliding_window
+    p = jax.nn.softmax(jnp.where(valid[:, None, None], s, -1e30), axis=-1)
+    out = jnp.einsum("bkgqs,bskh->bqkgh", p.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    out = jnp.where(batch.mask[:, :, None, None, None], out, 0.0)
+    return out.reshape(B * T, N, H).astype(q.dtype)
 
 
 ACTIVATIONS = {  # HF `hidden_act` / `hidden_activation` names

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpaged.models.base import ModelInput
+from jaxpaged.models.base import DenseBatch, ModelInput
 from jaxpaged.pallas_kernels.backends import (MODEL_AXIS, AttentionBackend,
                                               make_attention_backend)
 from jaxpaged.models.config import LlamaConfig
@@ -147,6 +147,39 @@ class LlamaForCausalLM(nnx.Module):
             return self.compute_logits(self.norm(x)), kv_cache
         last = jnp.minimum(md.query_start_loc[:-1] + jnp.maximum(md.query_lens - 1, 0), T - 1)
         return self.compute_logits(self.norm(x[last])), kv_cache  # [S, V]
+
+    def dense_forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None
+                      ) -> jax.Array:
+        """A plain causal forward over a padded batch, no KV pool: the same layers and
+        parameters as `__call__`, attention by `models.layers.dense_attention`; differentiable
+        (see `models.base.dense_forward`).
+
+        Args:
+          input_ids: i32[B, T].
+          attention_mask: [B, T], nonzero at real tokens; None: all real.
+
+        Returns:
+          f32[B, T, V] logits at every token.
+        """
+        B, T = input_ids.shape
+        mask = (jnp.ones((B, T), bool) if attention_mask is None
+                else jnp.asarray(attention_mask).astype(bool))
+        positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32)
+        batch = DenseBatch(mask, positions)
+        x = self.embed_tokens(input_ids.reshape(B * T))
+        if self.EMBED_SCALE:
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        # Longrope: every token's sequence is its whole row, as in one HF forward.
+        seq_lens = jnp.broadcast_to(jnp.sum(mask, axis=-1, keepdims=True), (B, T)).reshape(-1)
+        ropes = {}
+        for kind in {self.config.rope_kind(i) for i in range(len(self.layers))}:
+            tables = self.config.rope_tables(kind)
+            ropes[kind] = rope_cos_sin(positions.reshape(-1), tables,
+                                       longrope_use_long(seq_lens, tables))
+        for i, layer in enumerate(self.layers):
+            cos, sin = ropes[self.config.rope_kind(i)]
+            x, _, _ = layer(x, cos, sin, None, i, batch)
+        return self.compute_logits(self.norm(x)).reshape(B, T, -1)
 
     def compute_logits(self, x: jax.Array) -> jax.Array:
         """f[..., D] final hidden states -> f32[..., V] logits, soft-capped when the config

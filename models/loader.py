@@ -294,3 +294,89 @@ def load_weights(model_cls: type[nnx.Module], model_dir: str | Path, config, dty
     mesh = mesh or single_device_mesh()
     state = assemble(plan, read_pieces(readers, plan, sources, mesh, dtype), config, mesh, dtype)
     return nnx.merge(plan.graphdef, state)
+
+
+def params_from_hf_weights(model_cls: type[nnx.Module], config, current: dict[str, jax.Array],
+                           weights, dtype) -> dict[str, np.ndarray]:
+    """The parameters that `(HF name, array)` pairs change, in the engine's layout: vLLM's
+    `load_weights` on top of the parameters the engine holds.
+
+    Each HF tensor goes where the loader would put it (`model_cls.NAME_MAP`): transposed to our
+    orientation, a q/k/v or gate/up part written into its columns of the stacked parameter (shard
+    by shard under tensor parallelism, a repeated KV head copied to each device's block, as
+    `assemble` lays them out), cast to `dtype`. A subset is allowed: the parameters and parts
+    not named keep their values.
+
+    Args:
+      model_cls, config: the registered family and its (tensor-parallel) config.
+      current: path -> the parameter the engine holds now (global arrays, read back to the host
+        only for stacked parameters of which a part changes).
+      weights: an iterable of (HF checkpoint name, array-like in the checkpoint's orientation).
+      dtype: the engine's parameter dtype.
+
+    Returns:
+      path -> f[...] NumPy array of each changed parameter.
+
+    Raises:
+      ValueError: a name the model has no parameter for, or an array of the wrong shape (both
+        named).
+    """
+    patterns = _compile(model_cls.NAME_MAP)
+    widths = model_cls.part_widths(config)
+    tp, replicas, H = config.tensor_parallel_size, config.kv_head_replicas, config.head_dim
+    changed: dict[str, np.ndarray] = {}
+    for name, array in weights:
+        for pattern, ours, transpose, part in patterns:
+            m = pattern.match(name)
+            if m:
+                break
+        else:
+            if any(p.fullmatch(name) for p in IGNORED_KEYS):
+                continue
+            raise ValueError(f"load_weights: {name!r} names no parameter of "
+                             f"{model_cls.__name__}")
+        path = ours.format(i=int(m.group(1))) if m.groups() else ours
+        if path not in current:
+            if path == "lm_head.kernel" and config.tie_word_embeddings:
+                continue  # tied: the embedding is the head, as the loader reads it
+            raise ValueError(f"load_weights: {name!r} names no parameter of this "
+                             f"{model_cls.__name__} (it has {config.num_hidden_layers} layers)")
+        x = np.asarray(array)
+        if transpose:
+            x = x.T
+        shape = tuple(current[path].shape)
+        below = re.sub(r"^layers\.\d+\.", "", path)
+        if below not in widths:
+            if x.shape != shape:
+                raise ValueError(f"load_weights: {name!r} has shape {np.shape(array)}, the model "
+                                 f"expects {shape[::-1] if transpose else shape}")
+            changed[path] = x.astype(dtype)
+            continue
+        parts = widths[below]
+        if part is None:  # every part in one tensor (Phi-3's qkv_proj)
+            want = (*shape[:-1], sum(parts))
+            if x.shape != want:
+                raise ValueError(f"load_weights: {name!r} has shape {np.shape(array)}, the model "
+                                 f"expects {want[::-1] if transpose else want}")
+            pieces = list(enumerate(np.split(x, np.cumsum(parts)[:-1], axis=-1)))
+        else:
+            want = (*shape[:-1], parts[part[0]])
+            if x.shape != want:
+                raise ValueError(f"load_weights: {name!r} has shape {np.shape(array)}, the model "
+                                 f"expects {want[::-1] if transpose else want}")
+            pieces = [(part[0], x)]
+        # The stacked parameter's output axis: tp blocks, each the parts' slices side by side
+        # (`models.layers`); a repeated KV part holds each head `replicas` times.
+        kv_parts = model_cls.KV_HEAD_PARTS.get(below, ()) if replicas > 1 else ()
+        expanded = [w * replicas if j in kv_parts else w for j, w in enumerate(parts)]
+        local = [w // tp for w in expanded]
+        if path not in changed:
+            changed[path] = np.array(current[path], dtype=dtype)
+        blocks = changed[path].reshape(*shape[:-1], tp, sum(local))
+        for j, piece in pieces:
+            if j in kv_parts:
+                heads = piece.reshape(*piece.shape[:-1], -1, H)
+                piece = np.repeat(heads, replicas, axis=-2).reshape(*piece.shape[:-1], -1)
+            start = sum(local[:j])
+            blocks[..., start:start + local[j]] = piece.reshape(*shape[:-1], tp, local[j])
+    return changed

@@ -2,7 +2,8 @@
 process: jax reads it once): greedy ids under TP 2, 4 and 8 equal TP 1 on tiny models with 1, 2
 and 8 KV heads (1 and 2 repeated to one per device) and on Qwen2 (biases on q/k/v); the
 compiled step's collectives are those the partitioning implies; `jaxpaged serve` with TP 4; an
-orbax checkpoint restored into its shards. Several processes: two with 2 CPU devices each,
+orbax checkpoint restored into its shards; new weights (`update_params`, `load_weights`) placed
+shard by shard. Several processes: two with 2 CPU devices each,
 joined through `jax.distributed` on 127.0.0.1 (gloo), run TP 4 across them."""
 
 from __future__ import annotations
@@ -79,8 +80,10 @@ def tp_results(tp_models, orbax_model, tmp_path_factory) -> dict:
     # On an empty compilation cache: the orbax run loads the executables the TP 4 run of the
     # same model wrote, each onto its mesh's 4 devices of the 8.
     runs = [[str(d), tp] for d in tp_models.values() for tp in (1, 2, 4, 8)]
+    updates = [[str(tp_models["llama-kv2"]), 4], [str(tp_models["qwen2-kv2"]), 2]]
     return run_worker({"runs": runs + [[str(orbax_model), 4]],
-                       "hlo": str(tp_models["llama-kv2"]), "shards": str(orbax_model)},
+                       "hlo": str(tp_models["llama-kv2"]), "shards": str(orbax_model),
+                       "updates": updates},
                       cache_dir=tmp_path_factory.mktemp("tp-compile-cache"))
 
 
@@ -90,6 +93,19 @@ def test_greedy_ids_equal_one_device(tp_results, model, tp):
     ids = tp_results["ids"]
     assert ids[f"{model}/{tp}"] == ids[f"{model}/1"]
     assert all(len(x) == 8 for x in ids[f"{model}/1"])
+
+
+@pytest.mark.parametrize("run", ["llama-kv2/4", "qwen2-kv2/2"])
+def test_new_weights_reach_each_shard(tp_results, run):
+    """`load_weights` with HF tensors, and `update_params` with NumPy (unsharded) arrays, give
+    a TP engine the one-device engine's outputs (KV heads repeated on llama-kv2 at TP 4, q/k/v
+    biases on qwen2)."""
+    got = tp_results["updates"][run]
+    assert got["before"] == tp_results["ids"][run]
+    assert got["one_device_perturbed"] != got["before"]  # the new weights change the output
+    assert got["update_params"] == got["one_device_perturbed"]
+    assert got["load_weights_original"] == got["before"]
+    assert got["load_weights_perturbed"] == got["one_device_perturbed"]
 
 
 def test_the_step_communicates_what_the_partitioning_implies(tp_results):

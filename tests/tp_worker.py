@@ -2,9 +2,11 @@
 start): `python tp_worker.py JSON_ARGS`; prints one JSON line of results.
 
 JSON_ARGS: {"runs": [[model dir, tp], ...], "backend": name, "hlo": dir or null,
-"shards": dir or null, "distributed": [coordinator, num_processes, process_id] or null}.
+"shards": dir or null, "distributed": [coordinator, num_processes, process_id] or null,
+"updates": [[model dir, tp], ...]}.
 Results: greedy ids by "<dir name>/<tp>"; for "hlo", the compiled step's collectives; for
-"shards", where each parameter's shards lie.
+"shards", where each parameter's shards lie; for "updates", the ids after new weights went into
+a TP engine and a one-device engine (`updates`).
 """
 
 import json
@@ -59,6 +61,38 @@ def shards(engine) -> dict:
     return found
 
 
+def perturbed(model) -> dict:
+    """The model's safetensors, each tensor scaled by a fixed random factor per element."""
+    from safetensors.numpy import load_file
+
+    tensors = load_file(os.path.join(model, "model.safetensors"))
+    rng = __import__("numpy").random.default_rng(0)
+    return {k: v * rng.uniform(0.5, 1.5, v.shape).astype(v.dtype)
+            for k, v in sorted(tensors.items())}
+
+
+def updates(model, tp) -> dict:
+    """New weights into a TP engine, compared with one device: `load_weights` of perturbed HF
+    tensors into both (each device writing its shard of the stacked parameters); then the TP
+    engine's parameters read back to NumPy, the original tensors loaded, and those NumPy
+    (unsharded) arrays given back through `update_params`."""
+    from safetensors.numpy import load_file
+
+    one, split = llm(model, 1), llm(model, tp)
+    gen = lambda e: [o.outputs[0].token_ids for o in e.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    out = {"before": gen(split)}
+    one.load_weights(perturbed(model).items())
+    out["one_device_perturbed"] = gen(one)
+    split.load_weights(perturbed(model).items())
+    out["load_weights_perturbed"] = gen(split)
+    on_host = jax.tree.map(lambda x: __import__("numpy").asarray(x), split.get_params())
+    split.load_weights(load_file(os.path.join(model, "model.safetensors")).items())
+    out["load_weights_original"] = gen(split)
+    split.update_params(on_host)
+    out["update_params"] = gen(split)
+    return out
+
+
 if args.get("forever"):  # generate until killed (the process-failure test)
     engine_llm = llm(*args["runs"][0])
     print("GENERATING", flush=True)
@@ -82,4 +116,6 @@ for model, tp in args["runs"]:
             "qkv": str(params["layers"][0]["self_attn"]["qkv_proj"]["kernel"].sharding.spec)}
     if args.get("shards") == model:
         out["shards"] = shards(engine)
+for model, tp in args.get("updates", []):
+    out.setdefault("updates", {})[f"{os.path.basename(model)}/{tp}"] = updates(model, tp)
 print("RESULT " + json.dumps(out), flush=True)
