@@ -227,7 +227,8 @@ class LLMEngine:
         if self.runner.params is None:
             raise RuntimeError("the weights were released by sleep(level=2): restore them with "
                                "update_params(...) or wake_up()")
-        return self.runner.params
+        # A new tree of the same arrays: changing it in place changes nothing served.
+        return jax.tree.map(lambda x: x, self.runner.params)
 
     def update_params(self, params) -> None:
         """Serves with `params` from the next step (`ModelRunner.replace_params`) and drops the
