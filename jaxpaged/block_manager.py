@@ -46,6 +46,9 @@ class BlockManager:
         self.evictable_block_ids: OrderedDict[int, None] = OrderedDict()
         self.num_cache_queries = 0  # prompt blocks looked up, and found, since start
         self.num_cache_hits = 0
+        # Bumped by a forced reset (new weights): a sequence allocated before it registers
+        # none of its later blocks, whose K/V it computes over the old weights' context.
+        self.cache_epoch = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,7 +83,7 @@ class BlockManager:
                 > self.num_free_blocks):
             return None
         if self.enable_prefix_caching and seq.num_output_tokens == 0:
-            self.num_cache_queries += (seq.num_tokens - 1) // self.block_size
+            self.num_cache_queries += self._num_cacheable_blocks(seq)
             self.num_cache_hits += len(hits)
         for block_id in hits:
             if self.ref_counts[block_id] == 0:
@@ -90,6 +93,7 @@ class BlockManager:
                                   range(self.num_blocks_needed(seq.num_tokens) - len(hits))]
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
+        seq.cache_epoch = self.cache_epoch
         if seq.num_cached_tokens is None:  # the first allocation, not a recompute
             seq.num_cached_tokens = seq.num_computed_tokens
         return seq.block_table
@@ -101,6 +105,8 @@ class BlockManager:
         cached K/V stale (`LLMEngine.update_params`)."""
         if any(self.ref_counts) and not force:
             return False
+        if force:
+            self.cache_epoch += 1
         self.free_block_ids.extend(self.evictable_block_ids)
         self.evictable_block_ids.clear()
         self.cached_block_ids.clear()
@@ -118,14 +124,19 @@ class BlockManager:
         need every prompt position computed)."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
-        first_needed = seq.num_tokens - 1 if seq.scoring is None else seq.scoring.start - 1
         hits = []
-        for h in self._full_block_hashes(seq, first_needed // self.block_size):
+        for h in self._full_block_hashes(seq, self._num_cacheable_blocks(seq)):
             block_id = self.cached_block_ids.get(h)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def _num_cacheable_blocks(self, seq: Sequence) -> int:
+        """Leading full blocks of `seq` the cache may give: those before its last token (for a
+        scoring sequence, before the token whose logits score the first scored one)."""
+        first_computed = seq.num_tokens - 1 if seq.scoring is None else seq.scoring.start - 1
+        return first_computed // self.block_size
 
     def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Chained hashes of `seq`'s first `num_blocks` full blocks, memoized on the sequence:
@@ -138,8 +149,9 @@ class BlockManager:
         return seq.block_hashes[:num_blocks]
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Registers `seq`'s blocks that became full and computed since the last call."""
-        if not self.enable_prefix_caching:
+        """Registers `seq`'s blocks that became full and computed since the last call (none
+        if the cache was reset by force since `seq` was allocated)."""
+        if not self.enable_prefix_caching or seq.cache_epoch != self.cache_epoch:
             return
         num_full = seq.num_computed_tokens // self.block_size
         hashes = self._full_block_hashes(seq, num_full)
@@ -184,6 +196,7 @@ class BlockManager:
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_registered_blocks = parent.num_registered_blocks
+        child.cache_epoch = parent.cache_epoch
         for block_id in child.block_table:
             self.ref_counts[block_id] += 1
 

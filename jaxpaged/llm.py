@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxpaged.config import CacheConfig
-from jaxpaged.errors import InvalidRequestError
+from jaxpaged.errors import InvalidRequestError, RequestFailedError
 from jaxpaged.llm_engine import LLMEngine
 from jaxpaged.model_store import resolve_model
 from jaxpaged.models import dense_forward
@@ -24,6 +24,17 @@ from jaxpaged.parallel import init_distributed
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict
+
+
+def _token_rows(rows, field: str, repeat: int | None = None) -> list:
+    """A list of token-id rows from a list of lists (or a 2-D array); one row (a list of ints, a
+    1-D array) is one row, or with `repeat` that row `repeat` times."""
+    if isinstance(rows, (str, bytes, dict)) or not hasattr(rows, "__len__"):
+        raise InvalidRequestError(field, f"{field} must be a list of token-id lists, got "
+                                  f"{type(rows).__name__}: {rows!r:.80}")
+    if len(rows) and np.ndim(rows[0]) == 0:  # one row of ids
+        return [rows] * (1 if repeat is None else repeat)
+    return list(rows)
 
 
 class LLM:
@@ -273,15 +284,13 @@ class LLM:
           ValueError: counts that differ, an empty prompt, ids outside the vocabulary, a pair
             longer than `max_model_len` - 1, or a parameter out of range (named); raised before
             anything runs.
-          RuntimeError: the engine is asleep.
+          RuntimeError: the engine is asleep, or busy with other requests.
+          RequestFailedError: a fault in an engine step was traced to a pair (see
+            `jaxpaged.errors`); the others were scored.
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        completions = list(completion_token_ids)
-        if completions and not isinstance(completions[0], (list, tuple, np.ndarray)):
-            completions = [completions]  # a single completion
-        prompts = list(prompt_token_ids)
-        if prompts and not isinstance(prompts[0], (list, tuple, np.ndarray)):
-            prompts = [prompts] * len(completions)  # one prompt for all
+        completions = _token_rows(completion_token_ids, "completion_token_ids")
+        prompts = _token_rows(prompt_token_ids, "prompt_token_ids", len(completions))
         if len(prompts) != len(completions):
             raise InvalidRequestError("prompt_token_ids", f"got {len(prompts)} prompts for "
                                       f"{len(completions)} completions")
@@ -297,6 +306,7 @@ class LLM:
             seen.add(key)
         waves = [first, rest] if engine.cache_config.enable_prefix_caching else [first + rest]
         seqs: dict[int, object] = {}
+        failed: dict[str, str] = {}
         try:
             with tqdm(total=len(completions), desc="Scored completions",
                       disable=not use_tqdm) as bar:
@@ -306,9 +316,15 @@ class LLM:
                     while engine.has_unfinished_requests():
                         for output in engine.step():
                             bar.update(int(output.finished))
+                            if output.error is not None:
+                                failed[output.request_id] = output.error
         finally:  # an interrupted run must not leave requests holding blocks
             for seq in seqs.values():
                 engine.abort_request(seq.request_id)
+        for i, seq in sorted(seqs.items()):
+            if seq.request_id in failed:
+                raise RequestFailedError(f"scoring completion {i} failed: "
+                                         f"{failed[seq.request_id]}")
         return [seqs[i].scoring.logprobs for i in range(len(completions))]
 
     # -- the research API: weights in, memory back ---------------------------------------
@@ -317,7 +333,9 @@ class LLM:
         """The parameter tree the engine serves: an `nnx.State` (a pytree; `nnx.to_pure_dict`
         gives nested dicts) of `jax.Array`s on the engine's devices with its shardings, laid out
         as the family's module holds them (q/k/v and gate/up stacked, kernels `f[in, out]`; see
-        `jaxpaged.models.llama`). The tree `dense_forward` and `update_params` take.
+        `jaxpaged.models.llama`). The tree `dense_forward` and `update_params` take. The
+        arrays are the ones served, not copies: donating them to a jitted function (or calling
+        `.delete()`) deletes the engine's weights, and it then fails until `update_params`.
 
         Raises:
           RuntimeError: the weights were released by `sleep(level=2)`.
@@ -350,8 +368,9 @@ class LLM:
 
         Args:
           params: a tree of `get_params`'s structure (an `nnx.State` or its pure nested dict),
-            leaves `jax.Array`s (sharded or not, on any device: each is placed with the
-            engine's sharding) or NumPy arrays, of each parameter's shape and dtype.
+            leaves `jax.Array`s (sharded or not, on any device: each is copied with the
+            engine's sharding, so the caller may donate or change its own afterwards) or NumPy
+            arrays, of each parameter's shape and dtype.
 
         Raises:
           ValueError: a missing or unknown parameter, or one of another shape or dtype, named;
@@ -385,7 +404,9 @@ class LLM:
 
     def wake_up(self) -> None:
         """Undoes `sleep`: an empty KV pool, and after level 2 the weights, read again from the
-        model folder unless `update_params` gave them meanwhile. Compiles nothing."""
+        model folder unless `update_params` gave them meanwhile. The model step compiles
+        nothing; reading the weights again runs the loader's layout function (compiled once
+        per process)."""
         self.llm_engine.wake_up()
 
     def stats(self) -> dict[str, int]:

@@ -25,9 +25,9 @@ from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import EngineDeadError, InvalidRequestError
 from jaxpaged.faults import FaultIsolatingExecutor, describe
 from jaxpaged.input_processor import InputProcessor
-from jaxpaged.model_runner import ModelRunner, flat_params, num_kv_blocks
+from jaxpaged.model_runner import ModelRunner, num_kv_blocks
 from jaxpaged.models import load_config, load_model
-from jaxpaged.models.loader import params_from_hf_weights
+from jaxpaged.models.loader import flat_params, params_from_hf_weights
 from jaxpaged.outputs import Logprob, RequestMetrics, RequestOutput
 from jaxpaged.parallel import make_mesh
 from jaxpaged.request import Request, new_stop_state
@@ -254,7 +254,7 @@ class LLMEngine:
           ValueError: a level other than 1 or 2.
           RuntimeError: requests are still running.
         """
-        if level not in (1, 2):
+        if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         if self.has_unfinished_requests():
             raise RuntimeError("sleep needs an idle engine: requests are still running")
@@ -337,11 +337,18 @@ class LLMEngine:
           InvalidRequestError (a ValueError): an empty prompt, token ids outside the
             vocabulary, or prompt and completion together not under `max_model_len`.
         """
+        vocab = self.model_config.vocab_size
+        rows = {}
         for field, ids in (("prompt_token_ids", prompt_token_ids),
                            ("completion_token_ids", completion_token_ids)):
             if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__len__"):
                 raise InvalidRequestError(field, f"{field} must be a list of token ids, got "
                                           f"{type(ids).__name__}: {ids!r:.80}")
+            ids = rows[field] = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(field, f"{field} {bad[:8]} are not ids in [0, {vocab})")
+        prompt_token_ids, completion_token_ids = rows.values()
         if len(prompt_token_ids) == 0:
             raise InvalidRequestError("prompt_token_ids", "prompt_token_ids is empty: the first "
                                       "completion token needs a token before it")
@@ -352,7 +359,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 "completion_token_ids", f"{start} prompt and {len(ids) - start} completion "
                 f"tokens: together they must be fewer than max_model_len={limit}")
-        return self.tokenize_prompt({"prompt_token_ids": ids})[1], start
+        return [int(t) for t in ids], start
 
     def add_scoring_request(self, ids: list[int], start: int, params: SamplingParams
                             ) -> Sequence:

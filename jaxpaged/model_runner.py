@@ -29,6 +29,7 @@ from jaxpaged.compilation_cache import ExecutableCache
 from jaxpaged.buckets import bucket, buckets_upto, next_power_of_2, pow2s
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import ModelConfig, ModelInput, forward
+from jaxpaged.models.loader import flat_params
 from jaxpaged.pallas_kernels import KV_CACHE_SPEC, StepLimits, copy_blocks
 from jaxpaged.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
@@ -48,14 +49,6 @@ class SampledToken:
     # (token id, log-probability) of the `logprobs` most likely tokens, most likely first; empty
     # for logprobs=0 (only the sampled token's), None when the request asked for none
     top: list[tuple[int, float]] | None
-
-
-def flat_params(params) -> dict:
-    """path ("layers.0.self_attn.qkv_proj.kernel") -> leaf, of an `nnx.State` or of its pure
-    nested dict, in the tree's order."""
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)): x
-            for path, x in leaves}
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -145,15 +138,20 @@ class ModelRunner:
         missing = [p for p in self.param_specs if p not in new]
         extra = [p for p in new if p not in self.param_specs]
         if missing or extra:
-            raise ValueError(
-                f"update_params: the parameter tree differs from the engine's: "
-                + (f"missing {missing[:4]}" if missing else f"unknown {extra[:4]}"))
+            raise ValueError("update_params: the parameter tree differs from the engine's:"
+                             + (f" missing {missing[:4]}" if missing else "")
+                             + (f" unknown {extra[:4]}" if extra else ""))
         for path, (shape, dtype, _) in self.param_specs.items():
             x = new[path] = new[path] if hasattr(new[path], "dtype") else np.asarray(new[path])
+            if isinstance(x, jax.Array) and x.is_deleted():
+                raise ValueError(f"update_params: parameter {path!r} is a deleted array "
+                                 "(donated to a jitted function?)")
             if tuple(x.shape) != shape or x.dtype != dtype:
                 raise ValueError(f"update_params: parameter {path!r} is {x.dtype}"
                                  f"{list(x.shape)}, the engine's is {dtype}{list(shape)}")
-        placed = [jax.device_put(new[path], sharding)
+        # Copies, never aliases: the caller may go on to change its NumPy arrays in place, or
+        # donate its jax arrays to its next training step.
+        placed = [jax.device_put(new[path], sharding, may_alias=False)
                   for path, (_, _, sharding) in self.param_specs.items()]
         self.params = jax.tree.unflatten(self._param_treedef, placed)
 
@@ -454,6 +452,8 @@ class ModelRunner:
             seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
             for name in f:
                 f[name][i] = getattr(p, name)
+            if p.is_greedy:  # argmax of the whole row: no truncation, whatever the batch needs
+                top_k[i], f["top_p"][i], f["min_p"][i] = 0, 1.0, 0.0
             if use_bias:
                 self._fill_bias(bias[i], seq)
             if seq.matcher is not None:

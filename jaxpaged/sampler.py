@@ -262,14 +262,11 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
     if all_greedy:
         tokens = argmax(x)
     else:
-        x = x / jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
+        x = processed_logits(x, md.temperature, md.top_k, md.top_p, md.num_candidates,
+                             md.min_p)
+        # Truncation keeps each row's maximum: the greedy rows' argmax (their x is unscaled).
         row_max = jnp.max(x, axis=-1, keepdims=True)
-        tokens = _first_true(x == row_max)  # the greedy rows' argmax (their x is unscaled)
-        if md.min_p is not None:  # p >= min_p * p_max, as exp(x - max) >= min_p
-            x = jnp.where(jnp.exp(x - row_max) >= md.min_p[:, None], x, -jnp.inf)
-        if md.num_candidates:
-            cutoff = top_k_top_p_cutoff(x, md.top_k, md.top_p, md.num_candidates)
-            x = jnp.where(x >= cutoff[:, None], x, -jnp.inf)
+        tokens = _first_true(x == row_max)
         keys = jax.vmap(_sample_key)(md.seeds, md.output_index)
         u = jax.vmap(lambda key: jax.random.uniform(key, ()))(keys)
         drawn = _inverse_cdf(jnp.exp(x - row_max), u)
@@ -341,11 +338,16 @@ def prompt_logprobs(logits: jax.Array, input_ids: jax.Array, last: jax.Array, *,
 
 
 def processed_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                     top_p: jax.Array, num_candidates: int) -> jax.Array:
-    """f32[R, V] logits / temperature (1 where it is 0, as for greedy samples), -inf outside
-    each row's top-k / top-p set: the distribution `sample` draws from (min-p, penalties and
-    biases aside)."""
+                     top_p: jax.Array, num_candidates: int,
+                     min_p: jax.Array | None = None) -> jax.Array:
+    """f32[R, V] the distribution `sample` draws from, from its (biased, penalized) logits:
+    divided by temperature (1 where it is 0: greedy rows, which keep every token: the engine
+    gives them no top-k, top-p or min-p), then -inf below min-p (f32[R], or None) and outside
+    each row's top-k / top-p set (`num_candidates` static, `top_k_top_p_cutoff`)."""
     x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    if min_p is not None:  # p >= min_p * p_max, as exp(x - max) >= min_p
+        row_max = jnp.max(x, axis=-1, keepdims=True)
+        x = jnp.where(jnp.exp(x - row_max) >= min_p[:, None], x, -jnp.inf)
     if num_candidates:
         cutoff = top_k_top_p_cutoff(x, top_k, top_p, num_candidates)
         x = jnp.where(x >= cutoff[:, None], x, -jnp.inf)

@@ -62,6 +62,7 @@ class Sequence:
         # in the cache, and the prompt tokens found cached at its first allocation.
         self.block_hashes: list[int] = []
         self.num_registered_blocks = 0
+        self.cache_epoch = 0  # `BlockManager.cache_epoch` when its blocks were allocated
         self.num_cached_tokens: int | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None

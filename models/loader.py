@@ -61,10 +61,37 @@ def _safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def _param_paths(state: nnx.State) -> list[str]:
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    return [".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
-            for path, _ in leaves]
+def flat_params(params) -> dict:
+    """path ("layers.0.self_attn.qkv_proj.kernel") -> leaf, of an `nnx.State` or of its pure
+    nested dict (`nnx.to_pure_dict`), in the tree's order."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)): x
+            for path, x in leaves}
+
+
+def _match_name(patterns, key: str, config, params) -> tuple[str, bool, tuple | None] | None:
+    """(our path, transpose, (part, parts) or None) of checkpoint tensor `key` among the
+    compiled name map `patterns`; None for a key to skip (an ignored buffer, or the LM head
+    beside tied embeddings).
+
+    Raises:
+      KeyError: the key names no parameter in `params` (no entry matches, or a layer past the
+        config's); the caller words the error.
+    """
+    for pattern, ours, transpose, part in patterns:
+        m = pattern.match(key)
+        if m:
+            break
+    else:
+        if any(p.fullmatch(key) for p in IGNORED_KEYS):
+            return None
+        raise KeyError(key)
+    path = ours.format(i=int(m.group(1))) if m.groups() else ours
+    if path not in params:
+        if path == "lm_head.kernel" and config.tie_word_embeddings:
+            return None  # tied: the embedding is the head
+        raise KeyError(key)
+    return path, transpose, part
 
 
 def single_device_mesh() -> Mesh:
@@ -120,7 +147,7 @@ def plan_load(model_cls: type[nnx.Module], config,
     abstract = nnx.eval_shape(lambda: model_cls(
         config, dtype=dtype, attention_backend=attention_backend, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
-    paths = _param_paths(abstract_state)
+    paths = list(flat_params(abstract_state))
     leaves = jax.tree_util.tree_leaves(abstract_state)
     specs = jax.tree_util.tree_leaves(nnx.get_partition_spec(abstract_state),
                                       is_leaf=lambda x: isinstance(x, P))
@@ -164,21 +191,14 @@ def match_checkpoint(model_cls: type[nnx.Module], config, plan: LoadPlan,
     unused = []
     patterns = _compile(model_cls.NAME_MAP)
     for key in shapes:
-        for pattern, ours, transpose, part in patterns:
-            m = pattern.match(key)
-            if m:
-                break
-        else:
-            if not any(p.fullmatch(key) for p in IGNORED_KEYS):
-                unused.append(key)
-            continue
-        ours = ours.format(i=int(m.group(1))) if m.groups() else ours
-        if ours not in plan.params:  # a layer past the config's, or lm_head beside tied embeddings
-            if ours == "lm_head.kernel" and config.tie_word_embeddings:
-                continue
+        try:
+            match = _match_name(patterns, key, config, plan.params)
+        except KeyError:
             unused.append(key)
             continue
-        found.setdefault(ours, {})[part[0] if part else None] = (key, transpose)
+        if match is not None:
+            ours, transpose, part = match
+            found.setdefault(ours, {})[part[0] if part else None] = (key, transpose)
     if unused:
         raise ValueError(f"checkpoint keys not used by the model: {unused[:8]}"
                          f"{' ...' if len(unused) > 8 else ''}")
@@ -301,75 +321,67 @@ def params_from_hf_weights(model_cls: type[nnx.Module], config, current: dict[st
     """The parameters that `(HF name, array)` pairs change, in the engine's layout: vLLM's
     `load_weights` on top of the parameters the engine holds.
 
-    Each HF tensor goes where the loader would put it (`model_cls.NAME_MAP`): transposed to our
-    orientation, a q/k/v or gate/up part written into its columns of the stacked parameter (shard
-    by shard under tensor parallelism, a repeated KV head copied to each device's block, as
-    `assemble` lays them out), cast to `dtype`. A subset is allowed: the parameters and parts
-    not named keep their values.
+    Each HF tensor goes where the loader would put it (`model_cls.NAME_MAP`, `_match_name`):
+    transposed to our orientation, a q/k/v or gate/up part written into its columns of the
+    stacked parameter (shard by shard under tensor parallelism, a repeated KV head copied to
+    each device's block, as `assemble` lays them out), cast to `dtype`. A subset is allowed: the
+    parameters and parts not named keep their values.
 
     Args:
       model_cls, config: the registered family and its (tensor-parallel) config.
       current: path -> the parameter the engine holds now (global arrays, read back to the host
         only for stacked parameters of which a part changes).
-      weights: an iterable of (HF checkpoint name, array-like in the checkpoint's orientation).
+      weights: (HF checkpoint name, float array) pairs, arrays in the checkpoint's orientation
+        (NumPy, jax, or anything `np.asarray` reads), or a dict of them.
       dtype: the engine's parameter dtype.
 
     Returns:
       path -> f[...] NumPy array of each changed parameter.
 
     Raises:
-      ValueError: a name the model has no parameter for, or an array of the wrong shape (both
-        named).
+      ValueError: a name the model has no parameter for, an array that is not a float array
+        NumPy can read, or one of the wrong shape (each named).
     """
     patterns = _compile(model_cls.NAME_MAP)
     widths = model_cls.part_widths(config)
     tp, replicas, H = config.tensor_parallel_size, config.kv_head_replicas, config.head_dim
     changed: dict[str, np.ndarray] = {}
-    for name, array in weights:
-        for pattern, ours, transpose, part in patterns:
-            m = pattern.match(name)
-            if m:
-                break
-        else:
-            if any(p.fullmatch(name) for p in IGNORED_KEYS):
-                continue
-            raise ValueError(f"load_weights: {name!r} names no parameter of "
-                             f"{model_cls.__name__}")
-        path = ours.format(i=int(m.group(1))) if m.groups() else ours
-        if path not in current:
-            if path == "lm_head.kernel" and config.tie_word_embeddings:
-                continue  # tied: the embedding is the head, as the loader reads it
+    for name, array in (weights.items() if isinstance(weights, dict) else weights):
+        try:
+            match = _match_name(patterns, name, config, current)
+        except KeyError:
             raise ValueError(f"load_weights: {name!r} names no parameter of this "
-                             f"{model_cls.__name__} (it has {config.num_hidden_layers} layers)")
-        x = np.asarray(array)
-        if transpose:
-            x = x.T
+                             f"{model_cls.__name__} ({config.num_hidden_layers} layers)") from None
+        if match is None:
+            continue
+        path, transpose, part = match
+        try:
+            x = np.asarray(array)
+        except (TypeError, ValueError, RuntimeError) as e:  # e.g. a torch bfloat16 tensor
+            raise ValueError(f"load_weights: {name!r} is not an array NumPy reads "
+                             f"({type(array).__name__}: {e}); pass NumPy or jax arrays") from e
+        if not jnp.issubdtype(x.dtype, jnp.floating):  # bfloat16 included
+            raise ValueError(f"load_weights: {name!r} is {x.dtype}, not a float array")
+        x = x.T if transpose else x
         shape = tuple(current[path].shape)
         below = re.sub(r"^layers\.\d+\.", "", path)
-        if below not in widths:
-            if x.shape != shape:
-                raise ValueError(f"load_weights: {name!r} has shape {np.shape(array)}, the model "
-                                 f"expects {shape[::-1] if transpose else shape}")
+        parts = widths.get(below)
+        # The tensor's expected shape in our orientation: the whole parameter, one part of a
+        # stacked one, or all its parts in one tensor (Phi-3's qkv_proj).
+        want = (shape if parts is None else
+                (*shape[:-1], sum(parts) if part is None else parts[part[0]]))
+        if x.shape != want:
+            raise ValueError(f"load_weights: {name!r} has shape {np.shape(array)}, the model "
+                             f"expects {want[::-1] if transpose else want}")
+        if parts is None:
             changed[path] = x.astype(dtype)
             continue
-        parts = widths[below]
-        if part is None:  # every part in one tensor (Phi-3's qkv_proj)
-            want = (*shape[:-1], sum(parts))
-            if x.shape != want:
-                raise ValueError(f"load_weights: {name!r} has shape {np.shape(array)}, the model "
-                                 f"expects {want[::-1] if transpose else want}")
-            pieces = list(enumerate(np.split(x, np.cumsum(parts)[:-1], axis=-1)))
-        else:
-            want = (*shape[:-1], parts[part[0]])
-            if x.shape != want:
-                raise ValueError(f"load_weights: {name!r} has shape {np.shape(array)}, the model "
-                                 f"expects {want[::-1] if transpose else want}")
-            pieces = [(part[0], x)]
+        pieces = ([(part[0], x)] if part is not None else
+                  list(enumerate(np.split(x, np.cumsum(parts)[:-1], axis=-1))))
         # The stacked parameter's output axis: tp blocks, each the parts' slices side by side
         # (`models.layers`); a repeated KV part holds each head `replicas` times.
         kv_parts = model_cls.KV_HEAD_PARTS.get(below, ()) if replicas > 1 else ()
-        expanded = [w * replicas if j in kv_parts else w for j, w in enumerate(parts)]
-        local = [w // tp for w in expanded]
+        local = [(w * replicas if j in kv_parts else w) // tp for j, w in enumerate(parts)]
         if path not in changed:
             changed[path] = np.array(current[path], dtype=dtype)
         blocks = changed[path].reshape(*shape[:-1], tp, sum(local))

@@ -291,3 +291,103 @@ def test_dense_forward_equals_the_engine_and_trains(make_llm, tiny_model_dir):
     llm.update_params(stepped)  # and the engine serves the trained weights
     scored = llm.completion_logprobs([r[:1] for r in rows], [r[1:] for r in rows])
     assert -np.mean(np.concatenate(scored)) < -np.mean(np.concatenate(engine))
+
+
+# -- what a review found ---------------------------------------------------------------------
+
+def test_blocks_computed_across_an_update_are_never_cached(make_llm, tiny_model_dir,
+                                                           other_model_dir):
+    """A request still running when the weights change goes on filling blocks over the old
+    weights' context: none of them may serve a later request."""
+    llm, other = make_llm(tiny_model_dir), make_llm(other_model_dir)
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": list(range(500, 540))}
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    engine.add_request(prompt, long)
+    for _ in range(3):
+        engine.step()
+    llm.update_params(other.get_params())
+    while engine.has_unfinished_requests():
+        finished = [o for o in engine.step() if o.finished]
+    first = finished[0].outputs[0].token_ids
+    # Its prompt's blocks were dropped by the update; a request with the same tokens computes
+    # them again with the new weights and caches them, and the next finds them: it must not
+    # then find the old request's later blocks after them.
+    again = {"prompt_token_ids": prompt["prompt_token_ids"] + first[:40]}
+    want = other.generate(again, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for cached in (0, 64):
+        out = llm.generate(again, GREEDY, use_tqdm=False)[0]
+        assert out.num_cached_tokens == cached
+        assert out.outputs[0].token_ids == want
+
+
+def test_update_params_copies_what_it_is_given(make_llm, tiny_model_dir, other_model_dir):
+    llm, other = make_llm(tiny_model_dir), make_llm(other_model_dir)
+    want = greedy_ids(other)
+    given = jax.tree.map(lambda x: x + 0, other.get_params())  # the caller's own arrays
+    llm.update_params(given)
+    for x in jax.tree.leaves(given):  # as a donating training step would
+        x.delete()
+    assert greedy_ids(llm) == want
+    with pytest.raises(ValueError, match="is a deleted array"):
+        llm.update_params(given)
+    host = jax.tree.map(np.array, nnx.to_pure_dict(make_llm(tiny_model_dir).get_params()))
+    before = greedy_ids(make_llm(tiny_model_dir))
+    llm.update_params(host)
+    host["norm"]["weight"][:] = 0  # changing the NumPy arrays afterwards changes nothing served
+    assert greedy_ids(llm) == before
+
+
+def test_greedy_processed_logprobs_do_not_depend_on_the_batch(tiny_llm):
+    prompt = {"prompt_token_ids": list(range(300, 340))}
+    greedy = SamplingParams(temperature=0, top_k=5, min_p=0.2, max_tokens=6, logprobs=0,
+                            logprobs_mode="processed")
+    other = SamplingParams(temperature=1.0, top_k=40, seed=0, max_tokens=6)
+    alone = tiny_llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+    batched = tiny_llm.generate([prompt, prompt], [greedy, other], use_tqdm=False)[0].outputs[0]
+    lps = lambda o: [e[t].logprob for e, t in zip(o.logprobs, o.token_ids)]
+    assert batched.token_ids == alone.token_ids
+    np.testing.assert_allclose(lps(batched), lps(alone), atol=1e-6)
+    scored = tiny_llm.completion_logprobs(prompt["prompt_token_ids"], alone.token_ids,
+                                          temperature=0, top_k=5)[0]
+    np.testing.assert_allclose(scored, lps(alone), atol=1e-5)
+
+
+def test_completion_logprobs_takes_arrays_and_names_the_field(tiny_llm):
+    prompts = jnp.array([[5, 6, 7], [8, 9, 10]])
+    completions = np.array([[11, 12], [13, 14]])
+    got = tiny_llm.completion_logprobs(prompts, completions)
+    want = tiny_llm.completion_logprobs([[5, 6, 7], [8, 9, 10]], [[11, 12], [13, 14]])
+    np.testing.assert_array_equal(np.stack(got), np.stack(want))
+    with pytest.raises(ValueError, match=r"completion_token_ids \[49152, -1\] are not ids") as e:
+        tiny_llm.completion_logprobs([[1]], [[2, 49152, -1]])
+    assert e.value.param == "completion_token_ids"
+    with pytest.raises(ValueError, match="completion_token_ids must be a list"):
+        tiny_llm.completion_logprobs([[1]], "hello")
+
+
+def test_a_failed_scoring_raises(make_llm, tiny_model_dir):
+    from jaxpaged.errors import RequestFailedError
+
+    llm = make_llm(tiny_model_dir)
+    runner = llm.llm_engine.runner
+
+    def fault(out):
+        if any(seq.scoring is not None and seq.scoring.start == 3 for seq in out.seqs):
+            raise RuntimeError("injected")
+
+    runner.fault_hook = fault
+    with pytest.raises(RequestFailedError, match="scoring completion 1 failed: .*injected"):
+        llm.completion_logprobs([[1, 2], [1, 2, 3]], [[4], [5]])
+    runner.fault_hook = None
+    assert len(llm.completion_logprobs([[1, 2]], [[4]])[0]) == 1
+
+
+def test_load_weights_input_errors(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    tensors = load_file(tiny_model_dir / "model.safetensors")
+    llm.load_weights(tensors)  # a dict works as its items
+    with pytest.raises(ValueError, match="'model.norm.weight' is int32, not a float array"):
+        llm.load_weights([("model.norm.weight", np.ones(64, np.int32))])
+    with pytest.raises(ValueError, match="sleep level must be 1 or 2, got True"):
+        llm.sleep(True)

@@ -9,6 +9,13 @@ probabilities by `LLM.completion_logprobs`, new weights by `LLM.update_params`.
 
 tunix pins `safetensors<0.8` and brings a large stack (grain, tensorflow-datasets, ...), so it
 lives in its own virtualenv: `make test-tunix` builds `.venv-tunix` and runs its tests.
+
+Limits: `update_params` takes jaxpaged's parameter tree (`LLM.get_params()`'s structure, the
+tree `LLM.dense_forward` trains), not a tunix model's: tunix's `RLCluster.sync_weights` passes
+its actor's `nnx.state`, which needs a name mapping first (for a Hugging Face-named tree,
+`LLM.load_weights`). `model()` is jaxpaged's module, whose forward is `dense_forward(input_ids,
+attention_mask)`, not tunix's `model(tokens, positions, cache, attention_mask)`; it cannot be
+tunix's actor. LoRA parameters are not supported.
 """
 
 from __future__ import annotations
