@@ -42,6 +42,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "cpu", "pallas", "pallas-interpret", "xla"])
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the sampling of requests that give no seed")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="results that do not depend on the batch: the same ids and logprobs "
+                   "whatever shares a step, chunking, prefix caching or preemption (CPU, xla "
+                   "attention backend)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices to split the model over (tensor parallelism)")
     g = p.add_argument_group("several processes (hosts): one JAX runtime through "
@@ -197,7 +201,8 @@ def _build_llm(args: argparse.Namespace, one_shot: int = 0,
                attention_backend=args.attention_backend, seed=args.seed,
                precompile=precompile, tensor_parallel_size=args.tensor_parallel_size,
                coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-               process_id=args.process_id, compilation_cache_dir=args.compilation_cache_dir)
+               process_id=args.process_id, compilation_cache_dir=args.compilation_cache_dir,
+               batch_invariant=args.batch_invariant)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -85,6 +85,14 @@ class LLM:
         `$JAXPAGED_HOME/compile-cache`), a folder, or None (or "off") for none. With the
         cache warm, startup loads each shape (about 0.2 s on CPU) instead of compiling it
         (1-2 s).
+      batch_invariant: results that do not depend on the batch: a request's token ids and
+        log-probabilities are bitwise the same whatever other requests share its steps, however
+        its prompt is chunked, whether its prefix comes from the prefix cache, and whether it
+        was preempted and recomputed (greedy and seeded sampling). CPU only, on the "xla"
+        attention backend ("auto" picks it): every step is padded to at least
+        `BATCH_INVARIANT_MIN_TOKENS` tokens, from which XLA:CPU's matmuls compute each row the
+        same way whatever the other rows, and the xla backend reads every key from the pool in
+        the same order (see `jaxpaged.llm_engine`).
 
     Raises:
       ValueError: an unknown model or an out-of-range setting, naming it.
@@ -101,7 +109,8 @@ class LLM:
                  tensor_parallel_size: int = 1,
                  coordinator_address: str | None = None, num_processes: int = 1,
                  process_id: int = 0,
-                 compilation_cache_dir: str | os.PathLike | None = "auto"):
+                 compilation_cache_dir: str | os.PathLike | None = "auto",
+                 batch_invariant: bool = False):
         if coordinator_address is not None:
             init_distributed(coordinator_address, num_processes, process_id)
         elif num_processes != 1:
@@ -119,7 +128,8 @@ class LLM:
                                     attention_backend=attention_backend, seed=seed,
                                     precompile=precompile,
                                     tensor_parallel_size=tensor_parallel_size,
-                                    compilation_cache_dir=compilation_cache_dir)
+                                    compilation_cache_dir=compilation_cache_dir,
+                                    batch_invariant=batch_invariant)
         self._dense_forward = None  # jitted on first use
 
     def get_tokenizer(self):

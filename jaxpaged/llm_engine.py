@@ -19,7 +19,6 @@ from flax import nnx
 
 from jaxpaged import compilation_cache
 from jaxpaged.block_manager import BlockManager
-from jaxpaged.buckets import bucket
 from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import EngineDeadError, InvalidRequestError
@@ -105,6 +104,35 @@ def _load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir, config=config)
 
 
+# Batch invariance (`LLM(batch_invariant=True)`). What makes a request's numbers depend on its
+# batch on CPU, measured on 16 seeded requests (tests/test_batch_invariance.py): XLA:CPU's dot
+# computes a row of `x @ w` one way for a few rows and another way (the same for every row
+# count) from 64 rows on, so every step is padded to at least 64 tokens (the LM head's rows
+# are the step's sequence slots, a fixed count); and the C++ attention kernel's sums depend on
+# how a step splits the keys (its online-softmax tiles follow the cached blocks and then the
+# step's new tokens, and it scores a key by one of two loops depending on how many queries
+# share a tile), while the xla backend writes each step's keys to the pool first and reads
+# every key from there in position order. Norms, RoPE and the sampler's per-row reductions
+# need nothing.
+BATCH_INVARIANT_MIN_TOKENS = 64
+
+
+def _batch_invariant_backend(attention_backend: str) -> str:
+    """The attention backend batch-invariant mode runs on: "xla" (for "auto" or "xla").
+
+    Raises:
+      ValueError: not on CPU, or another backend asked for.
+    """
+    if jax.default_backend() != "cpu":
+        raise ValueError(f"batch_invariant=True is implemented on CPU only, not on "
+                         f"{jax.default_backend()!r}")
+    if attention_backend not in ("auto", "xla"):
+        raise ValueError(f"batch_invariant=True runs on the 'xla' attention backend, not "
+                         f"{attention_backend!r}: that kernel's sums depend on how a step "
+                         "splits the keys")
+    return "xla"
+
+
 class LLMEngine:
     """Holds the tokenizer, scheduler, block manager and model runner of one model.
 
@@ -120,7 +148,8 @@ class LLMEngine:
                  cache_config: CacheConfig = CacheConfig(), attention_backend: str = "auto",
                  seed: int = 0, precompile: bool | list[int] | None = None,
                  tensor_parallel_size: int = 1,
-                 compilation_cache_dir: str | os.PathLike | None = "auto"):
+                 compilation_cache_dir: str | os.PathLike | None = "auto",
+                 batch_invariant: bool = False):
         if not (precompile is None or isinstance(precompile, bool) or (
                 isinstance(precompile, (list, tuple)) and all(
                     isinstance(n, int) and not isinstance(n, bool) and n >= 1
@@ -132,6 +161,9 @@ class LLMEngine:
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         self.model_config = load_config(model_dir).for_tensor_parallel(tensor_parallel_size)
         self.dtype = resolve_dtype(dtype)
+        if batch_invariant:
+            attention_backend = _batch_invariant_backend(attention_backend)
+        self.batch_invariant = batch_invariant
         backend = make_attention_backend(attention_backend, self.dtype, self.mesh)
         self.attention_backend = backend.name
         if precompile is None:  # interpreted kernels take minutes a shape: compile as met
@@ -165,10 +197,12 @@ class LLMEngine:
             self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
                                       max_num_seqs=self.scheduler_config.max_num_seqs,
                                       max_model_len=self.scheduler_config.max_model_len,
-                                      compilation_cache_dir=cache_dir)
+                                      compilation_cache_dir=cache_dir,
+                                      min_step_tokens=(BATCH_INVARIANT_MIN_TOKENS
+                                                       if batch_invariant else 1))
             shapes = self.runner.step_shapes(self.scheduler_config.max_num_batched_tokens)
             if isinstance(precompile, (list, tuple)):  # those step sizes alone, quietly
-                wanted = {bucket(n) for n in precompile}
+                wanted = {self.runner.step_tokens(n) for n in precompile}
                 self.runner.precompile([(T, v) for T, v in shapes if T in wanted],
                                        progress=False, sampler_variants=False)
             elif precompile:
@@ -180,7 +214,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
-                                   padded_tokens=bucket, eos_token_ids=self.eos_token_ids,
+                                   padded_tokens=self.runner.step_tokens,
+                                   eos_token_ids=self.eos_token_ids,
                                    recompute_at=self.model_config.rope_switch_length)
         self.executor = FaultIsolatingExecutor(self.runner)
         self.requests: dict[str, Request] = {}

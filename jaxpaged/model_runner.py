@@ -69,8 +69,11 @@ def num_kv_blocks(config: ModelConfig, cache_config: CacheConfig, dtype) -> int:
 class ModelRunner:
     def __init__(self, model: nnx.Module, cache_config: CacheConfig, num_blocks: int,
                  dtype, eos_token_ids: set[int] = frozenset(), max_num_seqs: int = 256,
-                 max_model_len: int | None = None, compilation_cache_dir=None):
+                 max_model_len: int | None = None, compilation_cache_dir=None,
+                 min_step_tokens: int = 1):
         self.config = model.config
+        # Steps of fewer tokens are padded up to this many (`step_tokens`; batch invariance).
+        self.min_step_tokens = min_step_tokens
         self.backend = model.backend  # `pallas_kernels.backends.AttentionBackend`
         self.eos_token_ids = eos_token_ids
         self.block_size = cache_config.block_size
@@ -216,11 +219,17 @@ class ModelRunner:
         return self._executable(sample_jit, (logits, md), all_greedy=all_greedy,
                                 num_logprobs=num_logprobs)(logits, md)
 
+    def step_tokens(self, num_tokens: int) -> int:
+        """The padded token count T of a step of `num_tokens` tokens: their `bucket`, at least
+        `min_step_tokens`."""
+        return max(bucket(num_tokens), self.min_step_tokens)
+
     def step_shapes(self, max_num_batched_tokens: int) -> list[tuple[int, bool]]:
         """Every (T, decode_only) a step can take under these limits: each token bucket up to
         the budget (or what `max_num_seqs` sequences of `max_model_len` hold), with each
         variant the backend compiles for it (`AttentionBackend.variants`)."""
-        Ts = buckets_upto(min(max_num_batched_tokens, self.max_num_seqs * self.max_model_len))
+        Ts = sorted({self.step_tokens(T) for T in buckets_upto(
+            min(max_num_batched_tokens, self.max_num_seqs * self.max_model_len))})
         return [(T, v) for T in Ts for v in self.backend.variants(T, self.limits)]
 
     def precompile(self, shapes: list[tuple[int, bool]], progress: bool = True,
@@ -401,9 +410,10 @@ class ModelRunner:
         self.kv_cache = self._copy_blocks(self.kv_cache, src, dst)
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ModelInput:
-        """The step's sequences packed on one token axis of T = `bucket` of their tokens,
-        in the order given (sequence i's logits are row i); the backend's metadata for them."""
-        T = bucket(sum(num_new_tokens))
+        """The step's sequences packed on one token axis of T = `step_tokens` of their
+        tokens, in the order given (sequence i's logits are row i); the backend's metadata for
+        them."""
+        T = self.step_tokens(sum(num_new_tokens))
         input_ids, positions = np.zeros((T,), np.int32), np.zeros((T,), np.int32)
         rope_seq_lens = np.zeros((T,), np.int32) if self.config.rope_switch_length else None
         start = 0

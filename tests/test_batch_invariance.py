@@ -1,0 +1,60 @@
+"""Batch invariance (`LLM(batch_invariant=True)`): 16 seeded requests, greedy and sampled at
+temperature 1.0 with 5 logprobs, give bitwise the same token ids and log-probabilities run
+alone, all together, chunked by a small token budget, from a warm prefix cache, and preempted
+by a small pool, on the tiny random Llama."""
+
+import numpy as np
+import pytest
+
+from jaxpaged import SamplingParams
+
+rng = np.random.default_rng(0)
+PROMPTS = [{"prompt_token_ids": rng.integers(100, 20000, n).tolist()}
+           for n in rng.integers(5, 60, 16)]
+PARAMS = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=12, logprobs=5,
+                         ignore_eos=True) for i in range(16)]
+
+
+def results(llm, rows=range(16)):
+    """Each request's token ids and logprob entries, exactly as floats."""
+    outs = llm.generate([PROMPTS[i] for i in rows], [PARAMS[i] for i in rows], use_tqdm=False)
+    return {i: (o.outputs[0].token_ids,
+                [sorted((t, lp.logprob, lp.rank) for t, lp in entry.items())
+                 for entry in o.outputs[0].logprobs]) for i, o in zip(rows, outs)}
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model_dir):
+    from jaxpaged import LLM
+
+    llm = LLM(tiny_model_dir, batch_invariant=True, max_model_len=256, num_kv_blocks=256,
+              enable_prefix_caching=False, precompile=False)
+    out = {}
+    for i in range(16):
+        out.update(results(llm, [i]))
+    return out
+
+
+@pytest.mark.parametrize("case", ["together", "chunked", "warm prefix cache", "preempted"])
+def test_bitwise_equal_to_alone(make_llm, tiny_model_dir, alone, case):
+    kw = dict(batch_invariant=True, enable_prefix_caching=case == "warm prefix cache")
+    if case == "chunked":
+        kw.update(max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    if case == "preempted":
+        kw.update(num_kv_blocks=24)
+    llm = make_llm(tiny_model_dir, **kw)
+    if case == "warm prefix cache":
+        results(llm)  # every prompt's full blocks cached
+    got = results(llm)
+    if case == "warm prefix cache":
+        assert llm.stats()["num_prefix_cache_hits"] > 0
+    if case == "preempted":
+        assert llm.stats()["num_preemptions"] > 0
+    assert got == alone
+
+
+def test_batch_invariant_needs_the_xla_backend(tiny_model_dir):
+    from jaxpaged import LLM
+
+    with pytest.raises(ValueError, match="runs on the 'xla' attention backend, not 'cpu'"):
+        LLM(tiny_model_dir, batch_invariant=True, attention_backend="cpu", precompile=False)
