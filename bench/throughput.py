@@ -96,7 +96,8 @@ def build_llm(requests, args, enable_prefix_caching: bool = True):
     start = time.perf_counter()
     llm = LLM(args.model, max_model_len=max(max_len, args.max_model_len),
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=enable_prefix_caching,
-              precompile=args.warmup == "precompile")
+              precompile=args.warmup == "precompile", batch_invariant=args.batch_invariant,
+              attention_backend=args.attention_backend)
     return llm, time.perf_counter() - start
 
 
@@ -383,6 +384,9 @@ def main(argv=None) -> dict:
                    help="jaxpaged, before the timed pass: compile every bucketed step shape at "
                    "startup (`LLM(precompile=True)`), run the whole workload once untimed, or "
                    "neither (compilations then fall in the timed pass)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="jaxpaged in batch-invariant mode (`LLM(batch_invariant=True)`)")
+    p.add_argument("--attention-backend", default="auto", help="jaxpaged's attention backend")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON report; default bench/results/throughput-<dataset>.json")
     args = p.parse_args(argv)

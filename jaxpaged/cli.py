@@ -1,5 +1,5 @@
-"""Command line: `jaxpaged generate`, `jaxpaged chat`, `jaxpaged serve`, `jaxpaged prepare`,
-`jaxpaged import`, `jaxpaged convert`."""
+"""Command line: `jaxpaged generate`, `jaxpaged chat`, `jaxpaged serve`, `jaxpaged run-batch`,
+`jaxpaged replay`, `jaxpaged prepare`, `jaxpaged import`, `jaxpaged convert`."""
 
 from __future__ import annotations
 
@@ -96,6 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                    help="the model's tool-call syntax (hermes: <tool_call>{json}</tool_call>, "
                    "as Hermes 2 Pro and Qwen2.5 write)")
+    batch = sub.add_parser("run-batch", help="run an OpenAI Batch file (JSONL of /v1/completions "
+                           "and /v1/chat/completions requests), writing results and a manifest")
+    batch.add_argument("-i", "--input-file", required=True, help="the requests, one per line")
+    batch.add_argument("-o", "--output-file", required=True,
+                       help="the results, one per line; the manifest goes beside it "
+                       "(<output>.manifest.json)")
+    batch.add_argument("--served-model-name", default=None,
+                       help="the model name requests give; default: --model as given")
+    _add_engine_args(batch)
+    rep = sub.add_parser("replay", help="run a recorded batch again (its manifest) and compare")
+    rep.add_argument("manifest", help="a run-batch manifest (<output>.manifest.json)")
+    rep.add_argument("-o", "--output-file", default=None,
+                     help="where the new results go; default: <recorded output>.replay")
     sub.add_parser("prepare", help="import the embedded default model into $JAXPAGED_HOME")
     imp = sub.add_parser("import", help="import a llama.cpp GGUF file into a Hugging Face folder "
                          "(config, tokenizer, float32 safetensors) that --model can load")
@@ -129,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             return _convert(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "run-batch":
+            return _run_batch(args)
+        if args.command == "replay":
+            return _replay(args)
         return _generate(args)
     except ValueError as e:
         print(f"jaxpaged: error: {e}", file=sys.stderr)
@@ -186,23 +203,55 @@ def _build_llm(args: argparse.Namespace, one_shot: int = 0,
     when it meets it."""
     from jaxpaged import LLM
 
+    return LLM(**_engine_options(args, one_shot, kv_cache_memory_bytes))
+
+
+def _engine_options(args: argparse.Namespace, one_shot: int = 0,
+                    kv_cache_memory_bytes: int | None = None) -> dict:
+    """`LLM`'s keyword arguments from the engine options (`model` among them)."""
     precompile = args.precompile
     if precompile is None and one_shot:
         precompile = [one_shot] if args.max_tokens != 1 else False
+    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                max_num_partial_prefills=args.max_num_partial_prefills,
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                kv_cache_memory_bytes=(kv_cache_memory_bytes or args.kv_cache_memory_bytes
+                                       or 2 << 30),
+                enable_prefix_caching=args.enable_prefix_caching,
+                attention_backend=args.attention_backend, seed=args.seed,
+                precompile=precompile, tensor_parallel_size=args.tensor_parallel_size,
+                coordinator_address=args.coordinator_address,
+                num_processes=args.num_processes, process_id=args.process_id,
+                compilation_cache_dir=args.compilation_cache_dir,
+                batch_invariant=args.batch_invariant)
 
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               long_prefill_token_threshold=args.long_prefill_token_threshold,
-               max_num_partial_prefills=args.max_num_partial_prefills,
-               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-               kv_cache_memory_bytes=(kv_cache_memory_bytes or args.kv_cache_memory_bytes
-                                      or 2 << 30),
-               enable_prefix_caching=args.enable_prefix_caching,
-               attention_backend=args.attention_backend, seed=args.seed,
-               precompile=precompile, tensor_parallel_size=args.tensor_parallel_size,
-               coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-               process_id=args.process_id, compilation_cache_dir=args.compilation_cache_dir,
-               batch_invariant=args.batch_invariant)
+
+def _run_batch(args: argparse.Namespace) -> int:
+    """`jaxpaged run-batch`: the OpenAI Batch file through the engine, and its manifest."""
+    from jaxpaged.batch import run_batch
+
+    options = _engine_options(args)
+    if options["model"] is not None:  # recorded as an absolute folder, for replay from anywhere
+        options["model"] = os.path.abspath(os.path.expanduser(options["model"]))
+    llm = _build_llm(args)
+    manifest = run_batch(llm, args.served_model_name or args.model or "default",
+                         os.path.abspath(args.input_file), os.path.abspath(args.output_file),
+                         options, seed=args.seed)
+    print(f"{manifest['num_requests']} requests, {manifest['num_errors']} errors; "
+          f"{args.output_file}.manifest.json")
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """`jaxpaged replay`: exit 0 when the outputs are identical, 1 at the first difference."""
+    from jaxpaged.batch import replay
+
+    code, message = replay(args.manifest, args.output_file)
+    print(message)
+    return code
 
 
 def _serve(args: argparse.Namespace) -> int:

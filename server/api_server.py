@@ -30,7 +30,7 @@ import jaxpaged
 from jaxpaged.async_llm_engine import AsyncLLMEngine
 from jaxpaged.server import protocol as api
 from jaxpaged.server.metrics import ServerMetrics
-from jaxpaged.server.serving import APIError, OpenAIServing
+from jaxpaged.server.serving import APIError, OpenAIServing, parse_body
 
 logger = logging.getLogger(__name__)
 
@@ -128,13 +128,7 @@ async def _parse(request: Request, model: type[pydantic.BaseModel]):
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise APIError(f"the body must be JSON sent with 'Content-Type: application/json', got "
                        f"{content_type or 'no content type'!r}", 415)
-    try:
-        parsed = model.model_validate_json(await request.body())
-    except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        path = ".".join(str(part) for part in first["loc"])
-        raise APIError(f"{path}: {first['msg']}" if path else first["msg"],
-                       param=str(first["loc"][0]) if first["loc"] else None) from e
+    parsed = parse_body(model, await request.body())
     ignored = api.ignored_fields(parsed)
     if ignored:  # the names are the client's: quoted, and at most 10 of them
         logger.warning("%s %s: ignored %d unknown field(s): %s", request.method,

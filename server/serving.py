@@ -20,6 +20,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 
+import pydantic
 from pydantic import BaseModel
 
 from jaxpaged.async_llm_engine import AsyncLLMEngine, RequestStream
@@ -43,6 +44,20 @@ class APIError(Exception):
     def body(self) -> dict:
         return api.ErrorResponse(error=api.ErrorInfo(
             message=str(self), type=self.type, param=self.param, code=self.code)).model_dump()
+
+
+def parse_body(model: type[BaseModel], body: bytes | str | dict) -> BaseModel:
+    """A request body (JSON text, or already decoded) as `model`; 400 naming the first bad
+    field (the top-level field in `param`, its full path in the message)."""
+    try:
+        if isinstance(body, dict):
+            return model.model_validate(body)
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        path = ".".join(str(part) for part in first["loc"])
+        raise APIError(f"{path}: {first['msg']}" if path else first["msg"],
+                       param=str(first["loc"][0]) if first["loc"] else None) from e
 
 
 def sse(data: BaseModel | dict | str) -> str:
