@@ -111,26 +111,27 @@ def _load_tokenizer(model_dir: Path):
 # are the step's sequence slots, a fixed count); and the C++ attention kernel's sums depend on
 # how a step splits the keys (its online-softmax tiles follow the cached blocks and then the
 # step's new tokens, and it scores a key by one of two loops depending on how many queries
-# share a tile), while the xla backend writes each step's keys to the pool first and reads
-# every key from there in position order. Norms, RoPE and the sampler's per-row reductions
-# need nothing.
+# share a tile): in its invariant order (`paged_attention_cpu(invariant=True)`) the tiles are
+# aligned on positions, cached and new keys gathered into one tile, and every score goes one
+# way; the xla backend writes each step's keys to the pool first and reads every key from there
+# in position order. Norms, RoPE and the sampler's per-row reductions need nothing.
 BATCH_INVARIANT_MIN_TOKENS = 64
 
 
 def _batch_invariant_backend(attention_backend: str) -> str:
-    """The attention backend batch-invariant mode runs on: "xla" (for "auto" or "xla").
+    """The attention backend batch-invariant mode runs on: "cpu" (the C++ kernel in its
+    invariant order) or "xla"; "auto" is the one `make_attention_backend` would pick.
 
     Raises:
-      ValueError: not on CPU, or another backend asked for.
+      ValueError: not on CPU, or a Pallas backend asked for.
     """
     if jax.default_backend() != "cpu":
         raise ValueError(f"batch_invariant=True is implemented on CPU only, not on "
                          f"{jax.default_backend()!r}")
-    if attention_backend not in ("auto", "xla"):
-        raise ValueError(f"batch_invariant=True runs on the 'xla' attention backend, not "
-                         f"{attention_backend!r}: that kernel's sums depend on how a step "
-                         "splits the keys")
-    return "xla"
+    if attention_backend not in ("auto", "cpu", "xla"):
+        raise ValueError(f"batch_invariant=True runs on the 'cpu' or 'xla' attention backend, "
+                         f"not {attention_backend!r}")
+    return attention_backend
 
 
 class LLMEngine:
@@ -164,7 +165,8 @@ class LLMEngine:
         if batch_invariant:
             attention_backend = _batch_invariant_backend(attention_backend)
         self.batch_invariant = batch_invariant
-        backend = make_attention_backend(attention_backend, self.dtype, self.mesh)
+        backend = make_attention_backend(attention_backend, self.dtype, self.mesh,
+                                         batch_invariant=batch_invariant)
         self.attention_backend = backend.name
         if precompile is None:  # interpreted kernels take minutes a shape: compile as met
             precompile = not backend.name.endswith("-interpret")

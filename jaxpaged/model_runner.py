@@ -116,6 +116,7 @@ class ModelRunner:
         self._compiled: dict[tuple, jax.stages.Compiled | None] = {}
         self.executables = ExecutableCache(compilation_cache_dir, (
             repr(self.config), jnp.dtype(dtype).name, self.backend.name, repr(self.limits),
+            f"invariant={getattr(self.backend, 'invariant', False)}",
             repr(None if self.mesh is None else self.mesh.devices.tolist())),
             None if self.mesh is None else list(self.mesh.devices.flat))
         # Test-only: called with each `SchedulerOutput` at the start of `execute`; a hook that

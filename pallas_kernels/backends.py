@@ -256,8 +256,9 @@ class CpuBackend(AttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, float32: bool = True):
+    def __init__(self, float32: bool = True, invariant: bool = False):
         self.float32 = float32
+        self.invariant = invariant  # the kernel's batch-invariant order (`paged_attention_cpu`)
         self._xla = None if float32 else XlaBackend()
         self.writes_kv_per_layer = not float32
 
@@ -295,14 +296,17 @@ class CpuBackend(AttentionBackend):
         out, kv_cache = cpu_attention.paged_attention_cpu(
             q, k, v, kv_cache, layer, md.query_start_loc, md.query_lens, md.context_blocks,
             md.context_rows, md.context_lens, scale=spec.scale,
-            sliding_window=spec.sliding_window, soft_cap=spec.soft_cap)
+            sliding_window=spec.sliding_window, soft_cap=spec.soft_cap,
+            invariant=self.invariant)
         return out.astype(q.dtype), kv_cache, (k, v)
 
 
-def make_attention_backend(name: str, dtype=jnp.float32, mesh: Mesh | None = None
-                           ) -> AttentionBackend:
+def make_attention_backend(name: str, dtype=jnp.float32, mesh: Mesh | None = None,
+                           batch_invariant: bool = False) -> AttentionBackend:
     """The backend for `name` ("auto": Pallas on GPU; on CPU "cpu" where the C++ kernel builds,
-    else "xla") and the pool's dtype; with `mesh`, sharded over its `MODEL_AXIS`.
+    else "xla") and the pool's dtype; with `mesh`, sharded over its `MODEL_AXIS`; with
+    `batch_invariant`, the C++ kernel in its batch-invariant order (the xla backend is
+    invariant as it is).
 
     Raises:
       ValueError: an unknown name, or "cpu" where the C++ kernel cannot be built.
@@ -316,7 +320,8 @@ def make_attention_backend(name: str, dtype=jnp.float32, mesh: Mesh | None = Non
         if not cpu_attention.available():
             raise ValueError("attention_backend 'cpu' needs the C++ kernel, which could not be "
                              "built here (see the log); use 'xla'")
-        backend = CpuBackend(float32=jnp.dtype(dtype) == jnp.float32)
+        backend = CpuBackend(float32=jnp.dtype(dtype) == jnp.float32,
+                             invariant=batch_invariant)
     else:
         backend = {"xla": XlaBackend, "pallas": PallasBackend,
                    "pallas-interpret": PallasInterpretBackend}[name]()

@@ -104,7 +104,8 @@ def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cac
                         context_blocks: jax.Array, context_rows: jax.Array,
                         context_lens: jax.Array, *, scale: float,
                         sliding_window: int | None = None,
-                        soft_cap: float | None = None) -> jax.Array:
+                        soft_cap: float | None = None, invariant: bool = False
+                        ) -> jax.Array:
     """Causal paged attention of packed sequences, read in place from the pool by the C++ kernel.
 
     Sequence b's new tokens are `q[query_start_loc[b] : query_start_loc[b] + query_lens[b]]`
@@ -135,6 +136,11 @@ def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cac
         included (transformers' `config.sliding_window`).
       soft_cap: None (no cap) or the attention logit soft cap, > 0 (Gemma 2's
         `attn_logit_softcapping`, 50.0).
+      invariant: batch-invariant order of operations: every query's keys in tiles aligned at
+        positions 0, 16, 32, ... (cached and new keys gathered into one tile where a tile holds
+        both) and every score through the transposed tile, so a token's output is bitwise the
+        same however its sequence is split into cached and new tokens and whatever shares the
+        call (`LLM(batch_invariant=True)`); slower (each tile is copied).
 
     Returns:
       (out, kv_cache): out f32[T, N, H], equal to `paged_attention_xla_packed` on the same tokens
@@ -163,4 +169,4 @@ def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cac
     return call(f32(q), f32(k_new), f32(v_new), kv_cache, i32(layer), i32(query_start_loc),
                 i32(query_lens), i32(context_blocks), i32(context_rows), i32(context_lens),
                 scale=np.float32(scale), sliding_window=np.int32(sliding_window or 0),
-                soft_cap=np.float32(soft_cap or 0.0))
+                soft_cap=np.float32(soft_cap or 0.0), invariant=np.int32(invariant))

@@ -1,7 +1,8 @@
 """Batch invariance (`LLM(batch_invariant=True)`): 16 seeded requests, greedy and sampled at
 temperature 1.0 with 5 logprobs, give bitwise the same token ids and log-probabilities run
 alone, all together, chunked by a small token budget, from a warm prefix cache, and preempted
-by a small pool, on the tiny random Llama."""
+by a small pool, on the tiny random Llama, with the C++ kernel (in its invariant order) and
+the xla attention backend."""
 
 import numpy as np
 import pytest
@@ -23,21 +24,30 @@ def results(llm, rows=range(16)):
                  for entry in o.outputs[0].logprobs]) for i, o in zip(rows, outs)}
 
 
-@pytest.fixture(scope="module")
-def alone(tiny_model_dir):
-    from jaxpaged import LLM
+BACKENDS = ["cpu", "xla"]
 
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def alone(request, tiny_model_dir):
+    """(backend, each request's results run alone)."""
+    from jaxpaged import LLM
+    from jaxpaged.pallas_kernels import cpu_attention
+
+    if request.param == "cpu" and not cpu_attention.available():
+        pytest.skip("no C++ compiler")
     llm = LLM(tiny_model_dir, batch_invariant=True, max_model_len=256, num_kv_blocks=256,
-              enable_prefix_caching=False, precompile=False)
+              enable_prefix_caching=False, precompile=False, attention_backend=request.param)
     out = {}
     for i in range(16):
         out.update(results(llm, [i]))
-    return out
+    return request.param, out
 
 
 @pytest.mark.parametrize("case", ["together", "chunked", "warm prefix cache", "preempted"])
 def test_bitwise_equal_to_alone(make_llm, tiny_model_dir, alone, case):
-    kw = dict(batch_invariant=True, enable_prefix_caching=case == "warm prefix cache")
+    backend, alone = alone
+    kw = dict(batch_invariant=True, enable_prefix_caching=case == "warm prefix cache",
+              attention_backend=backend)
     if case == "chunked":
         kw.update(max_num_batched_tokens=16, long_prefill_token_threshold=8)
     if case == "preempted":
@@ -53,8 +63,10 @@ def test_bitwise_equal_to_alone(make_llm, tiny_model_dir, alone, case):
     assert got == alone
 
 
-def test_batch_invariant_needs_the_xla_backend(tiny_model_dir):
+def test_batch_invariant_needs_a_cpu_backend(tiny_model_dir):
     from jaxpaged import LLM
 
-    with pytest.raises(ValueError, match="runs on the 'xla' attention backend, not 'cpu'"):
-        LLM(tiny_model_dir, batch_invariant=True, attention_backend="cpu", precompile=False)
+    with pytest.raises(ValueError, match="runs on the 'cpu' or 'xla' attention backend, not "
+                       "'pallas-interpret'"):
+        LLM(tiny_model_dir, batch_invariant=True, attention_backend="pallas-interpret",
+            precompile=False)

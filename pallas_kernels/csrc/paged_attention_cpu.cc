@@ -51,6 +51,7 @@
 //   scale (attr)     f32                softmax scale
 //   sliding_window (attr) s32           window W in tokens (>= 1), 0 for none
 //   soft_cap (attr)  f32                logit soft cap (> 0), 0 for none
+//   invariant (attr) s32                1: batch-invariant order of operations (RunTask)
 // Output:
 //   out              f32[T, N, H]       attention of each new token over its sequence's cached
 //                                       tokens and its own new tokens up to itself (its last W
@@ -94,6 +95,7 @@ struct Args {
   float scale;
   int64_t window;  // sliding window in tokens, 0 for none
   float soft_cap;  // 0 for none
+  bool invariant;  // batch-invariant order of operations (see RunInvariant)
   float* out;
 };
 
@@ -141,9 +143,11 @@ inline void ScoresByKey(const Row* r, const float* kb, int64_t stride, int64_t n
 // t): each row's kTile scores accumulate in one vector over h, with no sum across lanes. Pays
 // off when the transpose is shared by many rows (prompt chunks).
 template <int NR, int kH>
-inline void ScoresByDim(const Row* r, const float* kt, int64_t n, float* s, int64_t ld) {
+inline void ScoresByDim(const Row* r, const float* kt, int64_t n, int64_t head_dim, float* s,
+                        int64_t ld) {
+  const int64_t H = kH > 0 ? kH : head_dim;
   float a[NR][kTile] = {};
-  for (int64_t h = 0; h < kH; ++h) {
+  for (int64_t h = 0; h < H; ++h) {
     const float* kh = kt + h * kTile;
     for (int j = 0; j < NR; ++j) {
       const float qh = r[j].q[h];
@@ -224,31 +228,37 @@ constexpr int64_t kRowsByDim = 8;  // from this many rows, scores go through a t
 // Adds keys/values t = 0..n-1 (rows `stride` floats apart) to `num_rows` query rows, four at a
 // time. kH: the head size when known at compile time (64, 128), else 0. kCap: soft-capped
 // scores (cap).
+// by_dim: always score through the transposed tile, however few the rows: then a (row, key)
+// score is the same sum in the same order whatever rows share the tile (batch invariance).
 template <int kH, bool kCap>
 void UpdateH(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t stride,
-             int64_t n, int64_t H, float* s, int64_t ld, float cap) {
-  if constexpr (kH > 0) {
-    if (num_rows >= kRowsByDim) {
-      float kt[kH * kTile];
-      for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-        const int64_t m = std::min(kTile, n - t0);
-        if (m < kTile) std::fill_n(kt, kH * kTile, 0.f);  // lanes past m: scored, never read
-        for (int64_t t = 0; t < m; ++t)
-          for (int64_t h = 0; h < kH; ++h) kt[h * kTile + t] = kb[(t0 + t) * stride + h];
-        const float* vt = vb + t0 * stride;
-        Row* g = r;
-        int64_t left = num_rows;
-        for (; left >= 4; g += 4, left -= 4) {
-          ScoresByDim<4, kH>(g, kt, m, s, ld);
-          Apply<4, kH, kCap>(g, vt, stride, m, H, s, ld, cap);
-        }
-        for (; left > 0; ++g, --left) {
-          ScoresByDim<1, kH>(g, kt, m, s, ld);
-          Apply<1, kH, kCap>(g, vt, stride, m, H, s, ld, cap);
-        }
-      }
-      return;
+             int64_t n, int64_t H, float* s, int64_t ld, float cap, bool by_dim) {
+  if ((kH > 0 && num_rows >= kRowsByDim) || by_dim) {
+    float kt_fixed[kH > 0 ? kH * kTile : 1];
+    thread_local std::vector<float> kt_any;  // a head size not compiled in
+    float* kt = kt_fixed;
+    if constexpr (kH == 0) {
+      kt_any.resize(H * kTile);
+      kt = kt_any.data();
     }
+    for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+      const int64_t m = std::min(kTile, n - t0);
+      if (m < kTile) std::fill_n(kt, H * kTile, 0.f);  // lanes past m: scored, never read
+      for (int64_t t = 0; t < m; ++t)
+        for (int64_t h = 0; h < H; ++h) kt[h * kTile + t] = kb[(t0 + t) * stride + h];
+      const float* vt = vb + t0 * stride;
+      Row* g = r;
+      int64_t left = num_rows;
+      for (; left >= 4; g += 4, left -= 4) {
+        ScoresByDim<4, kH>(g, kt, m, H, s, ld);
+        Apply<4, kH, kCap>(g, vt, stride, m, H, s, ld, cap);
+      }
+      for (; left > 0; ++g, --left) {
+        ScoresByDim<1, kH>(g, kt, m, H, s, ld);
+        Apply<1, kH, kCap>(g, vt, stride, m, H, s, ld, cap);
+      }
+    }
+    return;
   }
   for (; num_rows >= 4; r += 4, num_rows -= 4)
     UpdateByKey<4, kH, kCap>(r, kb, vb, stride, n, H, s, ld, cap);
@@ -257,17 +267,18 @@ void UpdateH(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t
   if (num_rows == 1) UpdateByKey<1, kH, kCap>(r, kb, vb, stride, n, H, s, ld, cap);
 }
 
-// cap: the logit soft cap, 0 for none.
+// cap: the logit soft cap, 0 for none. by_dim: see UpdateH.
 inline void Update(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t stride,
-                   int64_t n, int64_t H, float* s, int64_t ld, float cap) {
+                   int64_t n, int64_t H, float* s, int64_t ld, float cap, bool by_dim) {
   if (cap > 0.f) {
-    if (H == 64) return UpdateH<64, true>(r, num_rows, kb, vb, stride, n, H, s, ld, cap);
-    if (H == 128) return UpdateH<128, true>(r, num_rows, kb, vb, stride, n, H, s, ld, cap);
-    return UpdateH<0, true>(r, num_rows, kb, vb, stride, n, H, s, ld, cap);
+    if (H == 64) return UpdateH<64, true>(r, num_rows, kb, vb, stride, n, H, s, ld, cap, by_dim);
+    if (H == 128)
+      return UpdateH<128, true>(r, num_rows, kb, vb, stride, n, H, s, ld, cap, by_dim);
+    return UpdateH<0, true>(r, num_rows, kb, vb, stride, n, H, s, ld, cap, by_dim);
   }
-  if (H == 64) return UpdateH<64, false>(r, num_rows, kb, vb, stride, n, H, s, ld, cap);
-  if (H == 128) return UpdateH<128, false>(r, num_rows, kb, vb, stride, n, H, s, ld, cap);
-  UpdateH<0, false>(r, num_rows, kb, vb, stride, n, H, s, ld, cap);
+  if (H == 64) return UpdateH<64, false>(r, num_rows, kb, vb, stride, n, H, s, ld, cap, by_dim);
+  if (H == 128) return UpdateH<128, false>(r, num_rows, kb, vb, stride, n, H, s, ld, cap, by_dim);
+  UpdateH<0, false>(r, num_rows, kb, vb, stride, n, H, s, ld, cap, by_dim);
 }
 
 void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
@@ -310,12 +321,13 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
       const int64_t hi = std::min(p0 + n, c + i + 1);
       if (hi > lo)
         Update(&rows[(i - task.i0) * G], G, kb + (lo - p0) * stride, vb + (lo - p0) * stride,
-               stride, hi - lo, H, s, ld, cap);
+               stride, hi - lo, H, s, ld, cap, a.invariant);
       return hi > lo;
     };
     for (int64_t i = std::max(task.i0, p0 - c); i < f0; ++i) part(i);  // before: sees none
     if (f1 > f0)
-      Update(&rows[(f0 - task.i0) * G], (f1 - f0) * G, kb, vb, stride, n, H, s, ld, cap);
+      Update(&rows[(f0 - task.i0) * G], (f1 - f0) * G, kb, vb, stride, n, H, s, ld, cap,
+             a.invariant);
     for (int64_t i = f1; i < task.i1 && part(i); ++i) {}  // later rows see less of it
   };
 
@@ -340,29 +352,61 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
       __builtin_prefetch(vb + off, 0, 2);
     }
   };
-  for (int64_t e = e_first; e < e_first + kPrefetchBlocks; ++e) prefetch(e);
-  for (int64_t e = e_first; e < e1; ++e) {
-    prefetch(e + kPrefetchBlocks);
-    const int64_t n = len_of(e);
-    if (n == 0) continue;
-    const float* kb = block_of(e, a.k_pages);
-    const float* vb = block_of(e, a.v_pages);
-    if (W == 0)
-      Update(rows.data(), R, kb, vb, H, n, H, s, ld, cap);
-    else
-      span(pos, n, kb, vb, H);
-    pos += n;
-  }
+  if (a.invariant) {
+    // Batch-invariant order: every key position 0 .. c + i1 - 1 in tiles aligned at multiples
+    // of kTile, whether its key lies in the pool (cached) or among the step's new tokens, each
+    // tile gathered into one buffer and scored through the transposed tile. A query then sees
+    // the same tiles, each over the same keys, with the same sums, however its sequence is
+    // split into cached and new tokens, chunked or batched.
+    thread_local std::vector<float> kbuf, vbuf;
+    kbuf.resize(kTile * H);
+    vbuf.resize(kTile * H);
+    const int64_t end = c + task.i1;
+    int64_t t0 = W > 0 ? std::max<int64_t>(0, c + task.i0 - W + 1) / kTile * kTile : 0;
+    int64_t e = e0, e_pos = 0;  // the cached entry holding position p: [e_pos, e_pos + len)
+    for (; t0 < end; t0 += kTile) {
+      const int64_t n = std::min(kTile, end - t0);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t p = t0 + t;
+        const float *kp, *vp;
+        if (p < c) {
+          while (e_pos + len_of(e) <= p) e_pos += len_of(e++);
+          kp = block_of(e, a.k_pages) + (p - e_pos) * H;
+          vp = block_of(e, a.v_pages) + (p - e_pos) * H;
+        } else {
+          kp = a.k_new + ((first + p - c) * K + k) * H;
+          vp = a.v_new + ((first + p - c) * K + k) * H;
+        }
+        std::copy_n(kp, H, kbuf.data() + t * H);
+        std::copy_n(vp, H, vbuf.data() + t * H);
+      }
+      span(t0, n, kbuf.data(), vbuf.data(), H);
+    }
+  } else {
+    for (int64_t e = e_first; e < e_first + kPrefetchBlocks; ++e) prefetch(e);
+    for (int64_t e = e_first; e < e1; ++e) {
+      prefetch(e + kPrefetchBlocks);
+      const int64_t n = len_of(e);
+      if (n == 0) continue;
+      const float* kb = block_of(e, a.k_pages);
+      const float* vb = block_of(e, a.v_pages);
+      if (W == 0)
+        Update(rows.data(), R, kb, vb, H, n, H, s, ld, cap, false);
+      else
+        span(pos, n, kb, vb, H);
+      pos += n;
+    }
 
-  // The new tokens, causal, a tile of kTile at a time: new token i sees new tokens 0..i (or
-  // i - W + 1..i). Tokens on a tile's diagonal see part of it; the tokens past it see all of
-  // it (with a window, up to the window's edge) and go as one group of rows.
-  for (int64_t j0 = W > 0 ? std::max<int64_t>(0, task.i0 - W + 1) : 0; j0 < task.i1;
-       j0 += kTile) {
-    const int64_t n = std::min(kTile, task.i1 - j0);
-    span(c + j0, n, a.k_new + ((first + j0) * K + k) * H, a.v_new + ((first + j0) * K + k) * H,
-         K * H);
-  }
+    // The new tokens, causal, a tile of kTile at a time: new token i sees new tokens 0..i (or
+    // i - W + 1..i). Tokens on a tile's diagonal see part of it; the tokens past it see all of
+    // it (with a window, up to the window's edge) and go as one group of rows.
+    for (int64_t j0 = W > 0 ? std::max<int64_t>(0, task.i0 - W + 1) : 0; j0 < task.i1;
+         j0 += kTile) {
+      const int64_t n = std::min(kTile, task.i1 - j0);
+      span(c + j0, n, a.k_new + ((first + j0) * K + k) * H, a.v_new + ((first + j0) * K + k) * H,
+           K * H);
+    }
+  }  // not invariant
 
   for (int64_t i = task.i0; i < task.i1; ++i)
     for (int64_t g = 0; g < G; ++g) {
@@ -402,7 +446,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::S32> context_blocks,
                               ffi::Buffer<ffi::S32> context_rows,
                               ffi::Buffer<ffi::S32> context_lens, float scale,
-                              int32_t sliding_window, float soft_cap,
+                              int32_t sliding_window, float soft_cap, int32_t invariant,
                               ffi::ResultBuffer<ffi::F32> out,
                               ffi::ResultBuffer<ffi::F32> kv_cache_out) {
   auto qd = q.dimensions();
@@ -453,7 +497,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const float* pool_layer = kv_cache.typed_data() + l_idx * layer_size;
   w->args = Args{d, q.typed_data(), k_new.typed_data(), v_new.typed_data(), pool_layer,
                  pool_layer + layer_size / 2, qsl, qlens, blocks, context_lens.typed_data(),
-                 w->row_start.data(), scale, sliding_window, soft_cap, out->typed_data()};
+                 w->row_start.data(), scale, sliding_window, soft_cap, invariant != 0,
+                 out->typed_data()};
   std::fill(out->typed_data(), out->typed_data() + d.T * d.N * d.H, 0.f);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i0 = 0; i0 < qlens[b]; i0 += kQueryChunk)
@@ -486,6 +531,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("invariant")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // kv_cache, aliased
 );
