@@ -24,35 +24,52 @@ def results(llm, rows=range(16)):
                  for entry in o.outputs[0].logprobs]) for i, o in zip(rows, outs)}
 
 
-BACKENDS = ["cpu", "xla"]
+@pytest.fixture(scope="module")
+def head64_model_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny Llama with 64-feature heads: the C++ kernel's compiled head size, as SmolLM2's
+    (the tiny model's 16 take its generic path)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import TINY_CONFIG, copy_tokenizer
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama-h64")
+    config = LlamaConfig(**{**TINY_CONFIG, "hidden_size": 128, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "head_dim": 64})
+    LlamaForCausalLM(config).save_pretrained(path)
+    copy_tokenizer(tiny_model_dir, path)
+    return path
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def alone(request, tiny_model_dir):
-    """(backend, each request's results run alone)."""
+@pytest.fixture(scope="module", params=["cpu", "xla"])
+def alone(request, tiny_model_dir, head64_model_dir):
+    """(backend, model, each request's results run alone): the C++ kernel on 64-feature heads,
+    the xla backend on the tiny model."""
     from jaxpaged import LLM
     from jaxpaged.pallas_kernels import cpu_attention
 
     if request.param == "cpu" and not cpu_attention.available():
         pytest.skip("no C++ compiler")
-    llm = LLM(tiny_model_dir, batch_invariant=True, max_model_len=256, num_kv_blocks=256,
+    model = head64_model_dir if request.param == "cpu" else tiny_model_dir
+    llm = LLM(model, batch_invariant=True, max_model_len=256, num_kv_blocks=256,
               enable_prefix_caching=False, precompile=False, attention_backend=request.param)
     out = {}
     for i in range(16):
         out.update(results(llm, [i]))
-    return request.param, out
+    return request.param, model, out
 
 
 @pytest.mark.parametrize("case", ["together", "chunked", "warm prefix cache", "preempted"])
-def test_bitwise_equal_to_alone(make_llm, tiny_model_dir, alone, case):
-    backend, alone = alone
+def test_bitwise_equal_to_alone(make_llm, alone, case):
+    backend, model, alone = alone
     kw = dict(batch_invariant=True, enable_prefix_caching=case == "warm prefix cache",
               attention_backend=backend)
     if case == "chunked":
         kw.update(max_num_batched_tokens=16, long_prefill_token_threshold=8)
     if case == "preempted":
         kw.update(num_kv_blocks=24)
-    llm = make_llm(tiny_model_dir, **kw)
+    llm = make_llm(model, **kw)
     if case == "warm prefix cache":
         results(llm)  # every prompt's full blocks cached
     got = results(llm)

@@ -249,7 +249,9 @@ void UpdateH(Row* r, int64_t num_rows, const float* kb, const float* vb, int64_t
       const float* vt = vb + t0 * stride;
       Row* g = r;
       int64_t left = num_rows;
-      for (; left >= 4; g += 4, left -= 4) {
+      // Four rows at a time share loads; forced (batch invariance), one row at a time: with
+      // -ffast-math the compiler may order a sum differently in each instantiation.
+      for (; left >= 4 && !by_dim; g += 4, left -= 4) {
         ScoresByDim<4, kH>(g, kt, m, H, s, ld);
         Apply<4, kH, kCap>(g, vt, stride, m, H, s, ld, cap);
       }
