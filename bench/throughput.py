@@ -57,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import best_time, portable_config  # noqa: E402
+from report import best_time, portable, portable_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -88,6 +88,9 @@ def make_requests(args, tokenizer, vocab_size: int) -> list[dict]:
 
 # -- backends ---------------------------------------------------------------------------------
 
+_built_llms = []  # the engines this run built: the last one's settings go in the manifest
+
+
 def build_llm(requests, args, enable_prefix_caching: bool = True):
     """(LLM, seconds to build it, compilation included)."""
     from jaxpaged import LLM
@@ -98,6 +101,7 @@ def build_llm(requests, args, enable_prefix_caching: bool = True):
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=enable_prefix_caching,
               precompile=args.warmup == "precompile", batch_invariant=args.batch_invariant,
               attention_backend=args.attention_backend)
+    _built_llms.append(llm)
     return llm, time.perf_counter() - start
 
 
@@ -448,6 +452,12 @@ def main(argv=None) -> dict:
               "results": results,
               "ratios_output_tokens_per_s": ratios}
     out.write_text(json.dumps(report, indent=2))
+    if _built_llms:  # how the jaxpaged side was run (`jaxpaged.batch`)
+        from jaxpaged.batch import write_manifest
+        write_manifest(Path(f"{out}.manifest.json"), "bench/throughput.py", _built_llms[-1],
+                       portable_config(args), out.with_suffix(".requests.jsonl"), out,
+                       {i: args.seed + i for i in range(len(requests))},
+                       time.perf_counter() - run_start, path_text=portable)
     plot(report, out.with_suffix(".png"))
     print_table(report)
     print(f"wrote {out}")

@@ -190,19 +190,29 @@ def run_batch(llm, model_name: str, input_path: str | os.PathLike,
     with open(input_path, encoding="utf-8") as lines, \
             open(output_path, "w", encoding="utf-8") as out:
         summary = asyncio.run(_run(llm, model_name, lines, out, total, seed, window, progress))
+    return write_manifest(
+        Path(f"{output_path}.manifest.json"), "jaxpaged run-batch", llm, engine_options,
+        input_path, output_path, summary["seeds"], time.time() - start, model_name=model_name,
+        seed=seed, window=window, num_requests=summary["num_ok"] + summary["num_errors"],
+        num_errors=summary["num_errors"])
+
+
+def write_manifest(path: Path, kind: str, llm, engine_options: dict, input_path, output_path,
+                   request_seeds: dict, wall_time_s: float, path_text=str, **fields) -> dict:
+    """Writes (and returns) the manifest of a run of `llm` (module doc): `environment()`, the
+    engine's backend, dtype and options, the sha256 of each model file and of the input and
+    output files (their paths recorded as `path_text` gives them), each request's effective
+    seed, the wall time and any further `fields`."""
+    engine = llm.llm_engine
     manifest = {
-        "kind": "jaxpaged run-batch", **environment(),
-        "attention_backend": llm.llm_engine.attention_backend,
-        "dtype": np.dtype(llm.llm_engine.dtype).name,
-        "engine_options": engine_options, "model_name": model_name,
-        "model_files": model_files(llm.llm_engine.model_dir),
-        "input": {"path": str(input_path), "sha256": sha256(input_path)},
-        "output": {"path": str(output_path), "sha256": sha256(output_path)},
-        "seed": seed, "window": window, "request_seeds": summary["seeds"],
-        "num_requests": summary["num_ok"] + summary["num_errors"],
-        "num_errors": summary["num_errors"], "wall_time_s": time.time() - start,
+        "kind": kind, **environment(), "attention_backend": engine.attention_backend,
+        "dtype": np.dtype(engine.dtype).name, "engine_options": engine_options,
+        "model_files": model_files(engine.model_dir),
+        "input": {"path": path_text(input_path), "sha256": sha256(input_path)},
+        "output": {"path": path_text(output_path), "sha256": sha256(output_path)},
+        **fields, "request_seeds": request_seeds, "wall_time_s": wall_time_s,
     }
-    Path(f"{output_path}.manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 

@@ -44,8 +44,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seeds the sampling of requests that give no seed")
     g.add_argument("--batch-invariant", action="store_true",
                    help="results that do not depend on the batch: the same ids and logprobs "
-                   "whatever shares a step, chunking, prefix caching or preemption (CPU, xla "
-                   "attention backend)")
+                   "whatever shares a step, chunking, prefix caching or preemption (CPU: "
+                   "the cpu or xla attention backend)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices to split the model over (tensor parallelism)")
     g = p.add_argument_group("several processes (hosts): one JAX runtime through "

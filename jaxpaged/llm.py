@@ -88,11 +88,11 @@ class LLM:
       batch_invariant: results that do not depend on the batch: a request's token ids and
         log-probabilities are bitwise the same whatever other requests share its steps, however
         its prompt is chunked, whether its prefix comes from the prefix cache, and whether it
-        was preempted and recomputed (greedy and seeded sampling). CPU only, on the "xla"
-        attention backend ("auto" picks it): every step is padded to at least
-        `BATCH_INVARIANT_MIN_TOKENS` tokens, from which XLA:CPU's matmuls compute each row the
-        same way whatever the other rows, and the xla backend reads every key from the pool in
-        the same order (see `jaxpaged.llm_engine`).
+        was preempted and recomputed (greedy and seeded sampling). CPU only, on the "cpu"
+        (the C++ kernel in its invariant order) or "xla" attention backend: every step is
+        padded to at least 64 tokens (`llm_engine.BATCH_INVARIANT_MIN_TOKENS`), from which
+        XLA:CPU's matmuls compute each row the same way whatever the other rows, and attention
+        sums each query's keys in one order (see `jaxpaged.llm_engine`).
 
     Raises:
       ValueError: an unknown model or an out-of-range setting, naming it.

@@ -64,7 +64,7 @@ def test_the_manifest(batch_run):
     model, src, out, manifest_path = batch_run
     manifest = json.loads(manifest_path.read_text())
     assert manifest["versions"]["jax"] and manifest["versions"]["jaxpaged"]
-    assert manifest["devices"]["count"] >= 1 and manifest["attention_backend"] == "xla"
+    assert manifest["devices"]["count"] >= 1 and manifest["attention_backend"] in ("cpu", "xla")
     assert manifest["dtype"] == "float32" and manifest["engine_options"]["batch_invariant"]
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(manifest["model_files"])
     assert manifest["input"]["sha256"] and manifest["output"]["sha256"]
