@@ -116,6 +116,17 @@ def _load_tokenizer(model_dir: Path):
 # way; the xla backend writes each step's keys to the pool first and reads every key from there
 # in position order. Norms, RoPE and the sampler's per-row reductions need nothing.
 BATCH_INVARIANT_MIN_TOKENS = 64
+# With XLA's YNNPACK fusions off (`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`, read when
+# jax starts) XLA:CPU's dot computes a row the same way from 8 rows on (measured on the shapes
+# of SmolLM2 and Qwen2 0.5B); 16 leaves a margin.
+BATCH_INVARIANT_MIN_TOKENS_WITHOUT_YNN = 16
+
+
+def batch_invariant_min_tokens() -> int:
+    """The fewest tokens a batch-invariant step is padded to, for this process's XLA flags."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return (BATCH_INVARIANT_MIN_TOKENS_WITHOUT_YNN
+            if "--xla_cpu_experimental_ynn_fusion_type=" in flags else BATCH_INVARIANT_MIN_TOKENS)
 
 
 def _batch_invariant_backend(attention_backend: str) -> str:
@@ -200,7 +211,7 @@ class LLMEngine:
                                       max_num_seqs=self.scheduler_config.max_num_seqs,
                                       max_model_len=self.scheduler_config.max_model_len,
                                       compilation_cache_dir=cache_dir,
-                                      min_step_tokens=(BATCH_INVARIANT_MIN_TOKENS
+                                      min_step_tokens=(batch_invariant_min_tokens()
                                                        if batch_invariant else 1))
             shapes = self.runner.step_shapes(self.scheduler_config.max_num_batched_tokens)
             if isinstance(precompile, (list, tuple)):  # those step sizes alone, quietly
