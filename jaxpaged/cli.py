@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "batch_invariant", False):
+        # XLA:CPU's dot is row-invariant from fewer rows without YNNPACK's fusions, so the
+        # mode pads steps less (`llm_engine.batch_invariant_min_tokens`); read when jax's
+        # backend starts, which has not happened yet.
+        from jaxpaged.llm_engine import YNN_FUSIONS_OFF
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {YNN_FUSIONS_OFF}".strip()
     if "JAX_PLATFORMS" not in os.environ and shutil.which("nvidia-smi") is None:
         # No GPU: keep jax from probing an installed CUDA plugin (it prints a traceback). jax is
         # imported already (by the `jaxpaged` package), but its backends start only on first use.

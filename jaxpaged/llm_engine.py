@@ -116,17 +116,34 @@ def _load_tokenizer(model_dir: Path):
 # way; the xla backend writes each step's keys to the pool first and reads every key from there
 # in position order. Norms, RoPE and the sampler's per-row reductions need nothing.
 BATCH_INVARIANT_MIN_TOKENS = 64
-# With XLA's YNNPACK fusions off (`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`, read when
-# jax starts) XLA:CPU's dot computes a row the same way from 8 rows on (measured on the shapes
-# of SmolLM2 and Qwen2 0.5B); 16 leaves a margin.
-BATCH_INVARIANT_MIN_TOKENS_WITHOUT_YNN = 16
+# Row counts at which a step may be padded more cheaply, checked on the model's own
+# projections when the engine starts (`batch_invariant_min_tokens`): with XLA's YNNPACK fusions
+# off (`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`, read when jax starts;
+# `jaxpaged ... --batch-invariant` sets it) XLA:CPU's dot computes a row the same way from 8
+# rows on, on SmolLM2's and Qwen2 0.5B's shapes.
+CHEAPER_MIN_TOKENS = (16, 24, 32, 48)
+YNN_FUSIONS_OFF = "--xla_cpu_experimental_ynn_fusion_type="
 
 
-def batch_invariant_min_tokens() -> int:
-    """The fewest tokens a batch-invariant step is padded to, for this process's XLA flags."""
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    return (BATCH_INVARIANT_MIN_TOKENS_WITHOUT_YNN
-            if "--xla_cpu_experimental_ynn_fusion_type=" in flags else BATCH_INVARIANT_MIN_TOKENS)
+def batch_invariant_min_tokens(config) -> int:
+    """The fewest tokens a batch-invariant step on the C++ attention kernel is padded to: 16
+    where XLA:CPU's dot gives each row of the model's projections (q/k/v, o, gate/up, down) the
+    same bits at every step size in `CHEAPER_MIN_TOKENS` as at 64 rows (random inputs; about a
+    second of small compiles), else `BATCH_INVARIANT_MIN_TOKENS`. (The rest of such a step
+    works row by row; the xla backend's attention batches its tokens' dots, and pads to 64.)"""
+    D, N, K, H = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                  config.head_dim)
+    F = config.intermediate_size
+    rng = np.random.default_rng(0)
+    dot = jax.jit(lambda x, w: x @ w)
+    for k, n in {(D, (N + 2 * K) * H), (N * H, D), (D, 2 * F), (F, D)}:
+        w = rng.standard_normal((k, n), np.float32)
+        x = rng.standard_normal((BATCH_INVARIANT_MIN_TOKENS, k), np.float32)
+        full = np.asarray(dot(x, w))
+        for m in CHEAPER_MIN_TOKENS:
+            if not np.array_equal(np.asarray(dot(x[:m], w)), full[:m]):
+                return BATCH_INVARIANT_MIN_TOKENS
+    return CHEAPER_MIN_TOKENS[0]
 
 
 def _batch_invariant_backend(attention_backend: str) -> str:
@@ -211,8 +228,11 @@ class LLMEngine:
                                       max_num_seqs=self.scheduler_config.max_num_seqs,
                                       max_model_len=self.scheduler_config.max_model_len,
                                       compilation_cache_dir=cache_dir,
-                                      min_step_tokens=(batch_invariant_min_tokens()
-                                                       if batch_invariant else 1))
+                                      min_step_tokens=(
+                                          1 if not batch_invariant
+                                          else batch_invariant_min_tokens(self.model_config)
+                                          if backend.name == "cpu"
+                                          else BATCH_INVARIANT_MIN_TOKENS))
             shapes = self.runner.step_shapes(self.scheduler_config.max_num_batched_tokens)
             if isinstance(precompile, (list, tuple)):  # those step sizes alone, quietly
                 wanted = {self.runner.step_tokens(n) for n in precompile}

@@ -87,3 +87,41 @@ def test_batch_invariant_needs_a_cpu_backend(tiny_model_dir):
                        "'pallas-interpret'"):
         LLM(tiny_model_dir, batch_invariant=True, attention_backend="pallas-interpret",
             precompile=False)
+
+
+# Run in a fresh process with XLA's YNNPACK fusions off (XLA_FLAGS is read when jax starts):
+# the engine then finds its projections row-invariant from 16 rows and pads steps to 16 tokens,
+# not 64; the results must still not depend on the batch.
+NO_YNN_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import test_batch_invariance as t
+from jaxpaged import LLM
+kw = dict(batch_invariant=True, max_model_len=256, num_kv_blocks=256, precompile=False,
+          enable_prefix_caching=False)
+alone = {}
+one = LLM(sys.argv[1], **kw)
+for i in range(16):
+    alone.update(t.results(one, [i]))
+together = t.results(LLM(sys.argv[1], **kw))
+chunked = t.results(LLM(sys.argv[1], **kw, max_num_batched_tokens=16,
+                        long_prefill_token_threshold=8))
+print(json.dumps(dict(floor=one.llm_engine.runner.min_step_tokens, together=together == alone,
+                      chunked=chunked == alone)))
+"""
+
+
+def test_bitwise_equal_with_ynn_fusions_off(head64_model_dir):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, XLA_FLAGS="--xla_cpu_experimental_ynn_fusion_type=")
+    res = subprocess.run([sys.executable, "-c", NO_YNN_SCRIPT, str(head64_model_dir),
+                          str(Path(__file__).parent)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == dict(floor=16, together=True,
+                                                                   chunked=True)
