@@ -17,8 +17,8 @@ the batching (`LLM(batch_invariant=True)`); otherwise requests arrive at the eng
 order that the threads decide, and logprobs (rarely, sampled tokens) may differ.
 
 The manifest (`<output>.manifest.json`): versions (jaxpaged and its git commit when run from
-a checkout, jax, jaxlib, flax, transformers, Python), platform and devices, every engine
-option, the sha256 of each file of the model folder (the tokenizer's files among them), of the
+a checkout, jax, jaxlib, flax, transformers, Python), platform, devices and XLA_FLAGS, every
+engine option, the sha256 of each file of the model folder (the tokenizer's files among them), of the
 input and of the output, each request's effective seed, and the wall time.
 """
 
@@ -96,7 +96,8 @@ def environment() -> dict:
     return {"versions": versions, "git_commit": _git_commit(),
             "platform": {"system": platform.system(), "machine": platform.machine(),
                          "jax_backend": jax.default_backend()},
-            "devices": {"kind": devices[0].device_kind, "count": len(devices)}}
+            "devices": {"kind": devices[0].device_kind, "count": len(devices)},
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def _error_line(custom_id, status: int, error) -> dict:
@@ -292,8 +293,8 @@ def replay(manifest_path: str | os.PathLike, output_path: str | os.PathLike | No
         raise ValueError(f"{input_path}: its sha256 differs from the one recorded in "
                          f"{manifest_path}; refusing to replay")
     now = environment()
-    for key in ("versions", "devices", "platform"):
-        if now[key] != manifest[key]:
+    for key in ("versions", "devices", "platform", "xla_flags"):
+        if now[key] != manifest.get(key):
             warnings.warn(f"replaying on other {key}: recorded {manifest[key]}, now {now[key]}",
                           stacklevel=2)
     llm = LLM(**options)

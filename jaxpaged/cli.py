@@ -126,12 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "batch_invariant", False):
-        # XLA:CPU's dot is row-invariant from fewer rows without YNNPACK's fusions, so the
-        # mode pads steps less (`llm_engine.batch_invariant_min_tokens`); read when jax's
-        # backend starts, which has not happened yet.
-        from jaxpaged.llm_engine import YNN_FUSIONS_OFF
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {YNN_FUSIONS_OFF}".strip()
+    if getattr(args, "batch_invariant", False) or (
+            args.command == "replay" and _recorded_batch_invariant(args.manifest)):
+        _turn_ynn_fusions_off()
     if "JAX_PLATFORMS" not in os.environ and shutil.which("nvidia-smi") is None:
         # No GPU: keep jax from probing an installed CUDA plugin (it prints a traceback). jax is
         # imported already (by the `jaxpaged` package), but its backends start only on first use.
@@ -156,6 +153,31 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"jaxpaged: error: {e}", file=sys.stderr)
         return 2
+
+
+def _turn_ynn_fusions_off() -> None:
+    """XLA:CPU's dot is row-invariant from fewer rows without YNNPACK's fusions, so batch
+    invariance pads steps less (`llm_engine.batch_invariant_min_tokens`). XLA reads its flags
+    when jax's backend starts: set only before that (a caller that started it already, such as
+    a test calling `main`, keeps its flags)."""
+    from jax._src import xla_bridge
+
+    from jaxpaged.llm_engine import YNN_FUSIONS_OFF
+
+    if not xla_bridge.backends_are_initialized():
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {YNN_FUSIONS_OFF}".strip()
+
+
+def _recorded_batch_invariant(manifest: str) -> bool:
+    """Whether the run-batch manifest at `manifest` was batch-invariant (False if unreadable:
+    `replay` reports that)."""
+    import json
+
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            return bool(json.load(f)["engine_options"].get("batch_invariant"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def _import(args: argparse.Namespace) -> int:
