@@ -18,8 +18,8 @@ order that the threads decide, and logprobs (rarely, sampled tokens) may differ.
 
 The manifest (`<output>.manifest.json`): versions (jaxpaged and its git commit when run from
 a checkout, jax, jaxlib, flax, transformers, Python), platform, devices and XLA_FLAGS, every
-engine option, the sha256 of each file of the model folder (the tokenizer's files among them), of the
-input and of the output, each request's effective seed, and the wall time.
+engine option, the sha256 of each file of the model folder (the tokenizer's files among them),
+of the input and of the output, each request's effective seed, and the wall time.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path

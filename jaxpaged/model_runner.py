@@ -154,9 +154,12 @@ class ModelRunner:
                 raise ValueError(f"update_params: parameter {path!r} is {x.dtype}"
                                  f"{list(x.shape)}, the engine's is {dtype}{list(shape)}")
         # Copies, never aliases: the caller may go on to change its NumPy arrays in place, or
-        # donate its jax arrays to its next training step.
-        placed = [jax.device_put(new[path], sharding, may_alias=False)
-                  for path, (_, _, sharding) in self.param_specs.items()]
+        # donate its jax arrays to its next training step. (On CPU, `device_put` of a NumPy
+        # array can share its memory even with may_alias=False: NumPy leaves are copied first.)
+        placed = [jax.device_put(np.array(x) if isinstance(x, np.ndarray) else x, sharding,
+                                 may_alias=False)
+                  for x, (_, _, sharding) in ((new[path], spec)
+                                              for path, spec in self.param_specs.items())]
         self.params = jax.tree.unflatten(self._param_treedef, placed)
 
     def release(self, kv_cache: bool = True, params: bool = False) -> None:

@@ -5,7 +5,8 @@ the paged KV pool and returns `(logits, kv_cache)`; `forward` is the pure functi
 jits. Its `dense_forward(input_ids, attention_mask)` runs the same layers on the same parameters
 as a plain causal forward over a padded batch (no pool: for training, `jax.grad`);
 `dense_forward` below is its pure form. The engine and the runner see a model only through
-this module: `ModelInput`, `forward` and the `ModelConfig` fields below. Families register in `models.registry`.
+this module: `ModelInput`, `forward` and the `ModelConfig` fields below. Families register in
+`models.registry`.
 """
 
 from __future__ import annotations
