@@ -260,12 +260,13 @@ def _engine_options(args: argparse.Namespace, one_shot: int = 0,
 def _run_batch(args: argparse.Namespace) -> int:
     """`jaxpaged run-batch`: the OpenAI Batch file through the engine, and its manifest."""
     from jaxpaged.batch import run_batch
+    from jaxpaged.model_store import DEFAULT_MODEL
 
     options = _engine_options(args)
     if options["model"] is not None:  # recorded as an absolute folder, for replay from anywhere
         options["model"] = os.path.abspath(os.path.expanduser(options["model"]))
     llm = _build_llm(args)
-    manifest = run_batch(llm, args.served_model_name or args.model or "default",
+    manifest = run_batch(llm, args.served_model_name or args.model or DEFAULT_MODEL,
                          os.path.abspath(args.input_file), os.path.abspath(args.output_file),
                          options, seed=args.seed)
     print(f"{manifest['num_requests']} requests, {manifest['num_errors']} errors; "
