@@ -139,14 +139,44 @@ def _family_names(architecture: str) -> list[str]:
     return [hf for hf, *_ in model_class({"architectures": [architecture]}).NAME_MAP]
 
 
-def hf_tensors(reader, arch: str, config, progress: bool = True) -> dict[str, np.ndarray]:
-    """Every tensor of the file, dequantized to float32 and keyed by its HF name.
+class GGUFTensor:
+    """One tensor of a GGUF file as the loader reads a safetensors slice (`get_shape()`,
+    `reader[index]`), under its HF name: dequantized to float32 when read (`gguf.quants.
+    dequantize`), llama.cpp's layout changes undone (module doc). Nothing is kept after a
+    read, so a model built from these holds only its own copy of each weight."""
+
+    def __init__(self, tensor, arch: str, config):
+        self.tensor, self.arch, self.config = tensor, arch, config
+
+    def get_shape(self) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self.tensor.shape.tolist()))
+
+    def __getitem__(self, index) -> np.ndarray:
+        return self.read()[index]
+
+    def read(self) -> np.ndarray:
+        import gguf
+
+        t, config = self.tensor, self.config
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape(self.get_shape())
+        if self.arch in _PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
+            # undo llama.cpp's row permutation (`LlamaModel.permute` in convert_hf_to_gguf.py)
+            n = (config.num_attention_heads if ".attn_q." in t.name
+                 else config.num_key_value_heads)
+            w = w.reshape(n, -1, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        if self.arch in _UNIT_OFFSET_NORMS and "norm.weight" in t.name:
+            w = w - 1
+        return np.ascontiguousarray(w)
+
+
+def hf_tensor_readers(reader, arch: str, config) -> dict[str, GGUFTensor]:
+    """Every tensor of the file as a `GGUFTensor`, keyed by its HF name.
 
     Raises:
       ValueError: a tensor has no HF name in the family (its data would be dropped).
     """
     import gguf
-    from tqdm import tqdm
 
     n_layers = config.num_hidden_layers
     gguf_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
@@ -158,21 +188,78 @@ def hf_tensors(reader, arch: str, config, progress: bool = True) -> dict[str, np
             gguf_name = name_map.get_name(base.format(i=i))
             if gguf_name is not None:
                 hf_names[f"{gguf_name}.{suffix}"] = f"{base.format(i=i)}.{suffix}"
-    tensors = {}
-    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=not progress):
+    readers = {}
+    for t in reader.tensors:
         if t.name not in hf_names:
             raise ValueError(f"GGUF tensor {t.name!r} has no Hugging Face name in "
                              f"{config.architectures[0]}; importing it is not supported")
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if arch in _PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
-            # undo llama.cpp's row permutation (`LlamaModel.permute` in convert_hf_to_gguf.py)
-            n = (config.num_attention_heads if ".attn_q." in t.name
-                 else config.num_key_value_heads)
-            w = w.reshape(n, -1, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        if arch in _UNIT_OFFSET_NORMS and "norm.weight" in t.name:
-            w = w - 1
-        tensors[hf_names[t.name]] = np.ascontiguousarray(w)
-    return tensors
+        readers[hf_names[t.name]] = GGUFTensor(t, arch, config)
+    return readers
+
+
+def hf_tensors(reader, arch: str, config, progress: bool = True) -> dict[str, np.ndarray]:
+    """Every tensor of the file, dequantized to float32 and keyed by its HF name.
+
+    Raises:
+      ValueError: a tensor has no HF name in the family (its data would be dropped).
+    """
+    from tqdm import tqdm
+
+    readers = hf_tensor_readers(reader, arch, config)
+    return {name: r.read() for name, r in tqdm(readers.items(), desc="dequantizing",
+                                               unit="tensor", disable=not progress)}
+
+
+# In a folder made for serving a GGUF file directly (`write_gguf_metadata`): where the file is.
+GGUF_SOURCE_FILE = "gguf_source.json"
+
+
+def write_gguf_metadata(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
+    """Writes config, generation config and tokenizer of the GGUF file into `out_dir`, and in
+    `GGUF_SOURCE_FILE` the file's absolute path: a model folder whose weights are read from
+    the GGUF itself (`open_gguf_weights`), with no float copy on disk.
+
+    Raises:
+      ValueError: see `import_gguf`.
+    """
+    import json
+
+    from transformers import GenerationConfig
+
+    gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir)
+    meta, config, _ = _open(gguf_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    hf_tokenizer(meta).save_pretrained(out_dir)
+    (out_dir / GGUF_SOURCE_FILE).write_text(json.dumps({"path": str(gguf_path)}))
+
+
+def gguf_source(model_dir: str | os.PathLike) -> Path | None:
+    """The GGUF file a `write_gguf_metadata` folder serves, or None for another folder."""
+    import json
+
+    path = Path(model_dir) / GGUF_SOURCE_FILE
+    return Path(json.loads(path.read_text())["path"]) if path.is_file() else None
+
+
+def open_gguf_weights(gguf_path: str | os.PathLike) -> dict[str, GGUFTensor]:
+    """The file's tensors by HF name (`hf_tensor_readers`), for `models.loader.load_weights`."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    meta = read_metadata(reader)
+    arch = check_architecture(meta)
+    return hf_tensor_readers(reader, arch, hf_config(meta, [t.name for t in reader.tensors]))
+
+
+def _open(gguf_path):
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    meta = read_metadata(reader)
+    check_architecture(meta)
+    return meta, hf_config(meta, [t.name for t in reader.tensors]), reader
 
 
 def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,

@@ -37,6 +37,13 @@ def _token_rows(rows, field: str, repeat: int | None = None) -> list:
     return list(rows)
 
 
+def resolve_quantization(quantization: str | None, model) -> str | None:
+    """`LLM`'s `quantization`: "auto" is "int8" for a GGUF file, else None."""
+    if quantization != "auto":
+        return quantization
+    return "int8" if model is not None and str(model).endswith(".gguf") else None
+
+
 class LLM:
     """A model and its engine, for generating from Python.
 
@@ -93,6 +100,16 @@ class LLM:
         padded to at least 64 tokens (`llm_engine.BATCH_INVARIANT_MIN_TOKENS`), from which
         XLA:CPU's matmuls compute each row the same way whatever the other rows, and attention
         sums each query's keys in one order (see `jaxpaged.llm_engine`).
+      quantization: None (weights in `dtype`) or "int8": weight-only int8, one scale per
+        output channel, for every linear layer and the token embedding (a tied LM head
+        included), made at load (`models.quantization`); on CPU the matmuls read the int8
+        weights (`pallas_kernels.quantized_matmul`). "auto" (the default): "int8" for a GGUF
+        file given as `model` (its quantized blocks converted once, at load, to int8 rows;
+        no float copy on disk), None otherwise.
+      kv_cache_dtype: the KV pool's dtype (vLLM's option): "auto" (the model's `dtype`),
+        "float32", "bfloat16", "float16", or the 8-bit pools "int8" and "fp8"
+        (float8_e4m3fn), one float32 scale per token and head: about a quarter of float32's
+        bytes per token, so `kv_cache_memory_bytes` holds about 3.8x the tokens.
 
     Raises:
       ValueError: an unknown model or an out-of-range setting, naming it.
@@ -110,7 +127,8 @@ class LLM:
                  coordinator_address: str | None = None, num_processes: int = 1,
                  process_id: int = 0,
                  compilation_cache_dir: str | os.PathLike | None = "auto",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, quantization: str | None = "auto",
+                 kv_cache_dtype: str = "auto"):
         if coordinator_address is not None:
             init_distributed(coordinator_address, num_processes, process_id)
         elif num_processes != 1:
@@ -129,7 +147,9 @@ class LLM:
                                     precompile=precompile,
                                     tensor_parallel_size=tensor_parallel_size,
                                     compilation_cache_dir=compilation_cache_dir,
-                                    batch_invariant=batch_invariant)
+                                    batch_invariant=batch_invariant,
+                                    quantization=resolve_quantization(quantization, model),
+                                    kv_cache_dtype=kv_cache_dtype)
         self._dense_forward = None  # jitted on first use
 
     def get_tokenizer(self):

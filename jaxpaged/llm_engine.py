@@ -24,8 +24,11 @@ from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import EngineDeadError, InvalidRequestError
 from jaxpaged.faults import FaultIsolatingExecutor, describe
 from jaxpaged.input_processor import InputProcessor
-from jaxpaged.model_runner import ModelRunner, num_kv_blocks
+from jaxpaged.model_runner import ModelRunner, kv_cache_bytes_per_token, num_kv_blocks
+from jaxpaged import gguf_import
 from jaxpaged.models import load_config, load_model
+from jaxpaged.models.quantization import QUANTIZATION_METHODS, quantize_model, weight_bytes
+from jaxpaged.pallas_kernels.reference import KV_CODE_DTYPES
 from jaxpaged.models.loader import flat_params, params_from_hf_weights
 from jaxpaged.outputs import Logprob, RequestMetrics, RequestOutput
 from jaxpaged.parallel import make_mesh
@@ -48,6 +51,26 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
         raise ValueError(f"dtype {dtype!r} is not supported; use 'auto', 'float32', "
                          "'bfloat16' or 'float16'")
     return jnp.dtype(dtype)
+
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype | str:
+    """The pool's dtype: "auto" is the model's `dtype`; "int8" and "fp8" (float8_e4m3fn) are
+    8-bit pools with per-token scales (`pallas_kernels.reference.QuantizedKVCache`), returned
+    as those names.
+
+    Raises:
+      ValueError: a value not in `KV_CACHE_DTYPES`.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(dtype)
+    if kv_cache_dtype in KV_CODE_DTYPES:
+        return kv_cache_dtype
+    return jnp.dtype(kv_cache_dtype)
 
 
 # Tokenizer classes that are `tokenizers`' generic fast tokenizer under another name, and the
@@ -178,7 +201,8 @@ class LLMEngine:
                  seed: int = 0, precompile: bool | list[int] | None = None,
                  tensor_parallel_size: int = 1,
                  compilation_cache_dir: str | os.PathLike | None = "auto",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         if not (precompile is None or isinstance(precompile, bool) or (
                 isinstance(precompile, (list, tuple)) and all(
                     isinstance(n, int) and not isinstance(n, bool) and n >= 1
@@ -190,10 +214,17 @@ class LLMEngine:
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         self.model_config = load_config(model_dir).for_tensor_parallel(tensor_parallel_size)
         self.dtype = resolve_dtype(dtype)
+        if quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization {quantization!r} is not one of "
+                             f"{QUANTIZATION_METHODS}")
+        self.quantization = quantization
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        pool_dtype = (KV_CODE_DTYPES[self.kv_cache_dtype][0]
+                      if self.kv_cache_dtype in KV_CODE_DTYPES else self.kv_cache_dtype)
         if batch_invariant:
             attention_backend = _batch_invariant_backend(attention_backend)
         self.batch_invariant = batch_invariant
-        backend = make_attention_backend(attention_backend, self.dtype, self.mesh,
+        backend = make_attention_backend(attention_backend, pool_dtype, self.mesh,
                                          batch_invariant=batch_invariant)
         self.attention_backend = backend.name
         if precompile is None:  # interpreted kernels take minutes a shape: compile as met
@@ -210,7 +241,7 @@ class LLMEngine:
                            "blocks depend on the length of the sequence that computed them")
             cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
         self.cache_config = cache_config
-        num_blocks = num_kv_blocks(self.model_config, cache_config, self.dtype)
+        num_blocks = num_kv_blocks(self.model_config, cache_config, self.kv_cache_dtype)
         if num_blocks * cache_config.block_size < self.scheduler_config.max_model_len:
             raise ValueError(
                 f"the KV pool holds {num_blocks} blocks of {cache_config.block_size} tokens, "
@@ -222,9 +253,9 @@ class LLMEngine:
         # are mostly XLA and numpy, outside the GIL.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(_load_tokenizer, model_dir)
-            model = load_model(model_dir, self.model_config, self.dtype, backend, self.mesh)
+            model = self._load_model(model_dir, backend)
             self.model_cls = type(model)
-            self.runner = ModelRunner(model, cache_config, num_blocks, self.dtype,
+            self.runner = ModelRunner(model, cache_config, num_blocks, self.kv_cache_dtype,
                                       max_num_seqs=self.scheduler_config.max_num_seqs,
                                       max_model_len=self.scheduler_config.max_model_len,
                                       compilation_cache_dir=cache_dir,
@@ -261,6 +292,15 @@ class LLMEngine:
         self.num_generation_tokens = 0  # tokens sampled
         self.model_dir = model_dir
         self.sleep_level = 0  # `sleep`: 0 awake, 1 without the KV pool, 2 without the weights too
+
+    def _load_model(self, model_dir: Path, backend) -> nnx.Module:
+        """The model with its weights (read from the GGUF file itself for a folder that serves
+        one, `gguf_import.write_gguf_metadata`), quantized as `quantization` says."""
+        source = gguf_import.gguf_source(model_dir)
+        readers = None if source is None else gguf_import.open_gguf_weights(source)
+        model = load_model(model_dir, self.model_config, self.dtype, backend, self.mesh,
+                           readers)
+        return quantize_model(model, self.quantization, mesh=self.mesh)
 
     def _eos_token_ids(self, model_dir: Path) -> set[int]:
         """The config's, the generation config's and the tokenizer's end-of-sequence ids.
@@ -309,7 +349,16 @@ class LLMEngine:
     def load_weights(self, weights) -> None:
         """Replaces the parameters that `(HF name, array)` pairs name
         (`models.loader.params_from_hf_weights`), the others kept, as `update_params` does.
-        Single-process: stacked parameters are read back to the host to write a part."""
+        Single-process: stacked parameters are read back to the host to write a part.
+
+        Raises:
+          ValueError: the engine's weights are quantized (use `update_params` with quantized
+            arrays), or see `params_from_hf_weights`.
+        """
+        if self.quantization is not None:
+            raise ValueError(f"load_weights takes float checkpoint tensors, and this engine's "
+                             f"weights are quantized ({self.quantization!r}): build the engine "
+                             "without quantization, or pass quantized arrays to update_params")
         current = flat_params(self.get_params())
         changed = params_from_hf_weights(self.model_cls, self.model_config, current, weights,
                                          self.dtype)
@@ -334,8 +383,7 @@ class LLMEngine:
         """Restores what `sleep` released: a new (empty) KV pool, and the weights read again from
         the model folder unless `update_params` gave new ones meanwhile."""
         if self.runner.params is None:
-            model = load_model(self.model_dir, self.model_config, self.dtype,
-                               self.runner.backend, self.mesh)
+            model = self._load_model(self.model_dir, self.runner.backend)
             self.runner.replace_params(nnx.split(model)[1])
         self.runner.restore_kv_cache()
         self.sleep_level = 0
@@ -629,7 +677,8 @@ class LLMEngine:
         all sequences waiting), and the running totals num_preemptions, num_prompt_tokens,
         num_generation_tokens, num_failed_requests (failed by a fault in a step), num_prefix_cache_queries / num_prefix_cache_hits (full prompt
         blocks looked up in / found in the prefix cache); num_compilations (shapes the model step
-        is compiled for)."""
+        is compiled for); weight_bytes (the parameters' bytes, whole arrays) and
+        kv_cache_bytes_per_token (pool bytes per token, all layers)."""
         bm, scheduler = self.block_manager, self.scheduler
         running_requests = {s.request_id for s in scheduler.running}
         waiting_requests = {s.request_id for s in scheduler.waiting} - running_requests
@@ -650,4 +699,8 @@ class LLMEngine:
             "num_generation_tokens": self.num_generation_tokens,
             "num_failed_requests": self.num_failed_requests,
             "num_compilations": self.runner.num_compilations,
+            "weight_bytes": (0 if self.runner.params is None
+                             else weight_bytes(self.runner.params)),
+            "kv_cache_bytes_per_token": kv_cache_bytes_per_token(self.model_config,
+                                                                 self.kv_cache_dtype),
         }

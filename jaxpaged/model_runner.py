@@ -31,6 +31,7 @@ from jaxpaged.config import CacheConfig
 from jaxpaged.models import ModelConfig, ModelInput, forward
 from jaxpaged.models.loader import flat_params
 from jaxpaged.pallas_kernels import KV_CACHE_SPEC, StepLimits, copy_blocks
+from jaxpaged.pallas_kernels.reference import KV_CODE_DTYPES, QuantizedKVCache
 from jaxpaged.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence, completion_seed
@@ -57,12 +58,30 @@ def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tup
             config.head_dim)
 
 
-def num_kv_blocks(config: ModelConfig, cache_config: CacheConfig, dtype) -> int:
+def kv_cache_bytes_per_token(config: ModelConfig, kv_dtype) -> int:
+    """Pool bytes one token takes over all layers, keys and values: `L * 2 * K * H` elements
+    of `kv_dtype` (a float dtype), or of one byte plus a float32 scale per head for an 8-bit
+    pool ("int8", "fp8")."""
+    L, _, K, _, _, H = kv_cache_shape(config, 1, 1)
+    if kv_dtype in KV_CODE_DTYPES:
+        return L * 2 * K * (H + 4)
+    return L * 2 * K * H * jnp.dtype(kv_dtype).itemsize
+
+
+def zeros_kv_cache(shape: tuple[int, ...], kv_dtype):
+    """An empty pool of `shape` `[L, 2, K, P, S, H]`: an array of `kv_dtype`, or for "int8" /
+    "fp8" a `QuantizedKVCache` (codes and scales)."""
+    if kv_dtype in KV_CODE_DTYPES:
+        return QuantizedKVCache(jnp.zeros(shape, KV_CODE_DTYPES[kv_dtype][0]),
+                                jnp.ones(shape[:-1], jnp.float32))
+    return jnp.zeros(shape, kv_dtype)
+
+
+def num_kv_blocks(config: ModelConfig, cache_config: CacheConfig, kv_dtype) -> int:
     """Blocks in the pool: `num_kv_blocks`, or as many as `kv_cache_memory_bytes` holds."""
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
-    bytes_per_block = (np.prod(kv_cache_shape(config, 1, cache_config.block_size))
-                       * jnp.dtype(dtype).itemsize)
+    bytes_per_block = kv_cache_bytes_per_token(config, kv_dtype) * cache_config.block_size
     return int(cache_config.kv_cache_memory_bytes // bytes_per_block)
 
 
@@ -91,7 +110,7 @@ class ModelRunner:
         shape = kv_cache_shape(self.config, num_blocks, self.block_size)
         self.mesh = self.backend.mesh  # tensor parallelism's, or None: one device
         if self.mesh is None:
-            self._zeros_pool = lambda: jnp.zeros(shape, dtype)
+            self._zeros_pool = lambda: zeros_kv_cache(shape, dtype)
             self.kv_cache = self._zeros_pool()
             self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
                                  static_argnums=3)
@@ -102,7 +121,7 @@ class ModelRunner:
             # device, so each process has the sampled tokens).
             pool = NamedSharding(self.mesh, KV_CACHE_SPEC)
             self.replicated = NamedSharding(self.mesh, P())
-            self._zeros_pool = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)
+            self._zeros_pool = jax.jit(lambda: zeros_kv_cache(shape, dtype), out_shardings=pool)
             self.kv_cache = self._zeros_pool()
             params = jax.tree.map(lambda x: x.sharding, self.params)
             self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
@@ -115,7 +134,9 @@ class ModelRunner:
         # there until it first runs.
         self._compiled: dict[tuple, jax.stages.Compiled | None] = {}
         self.executables = ExecutableCache(compilation_cache_dir, (
-            repr(self.config), jnp.dtype(dtype).name, self.backend.name, repr(self.limits),
+            repr(self.config), dtype if isinstance(dtype, str) else jnp.dtype(dtype).name,
+            self.backend.name, repr(self.limits),
+            repr(sorted((path, spec[:2]) for path, spec in self.param_specs.items())),
             f"invariant={getattr(self.backend, 'invariant', False)}",
             repr(None if self.mesh is None else self.mesh.devices.tolist())),
             None if self.mesh is None else list(self.mesh.devices.flat))
@@ -166,7 +187,7 @@ class ModelRunner:
         """Lets go of the KV pool (its contents are lost) and, with `params`, of the engine's
         references to the parameters (freed unless the caller holds them too)."""
         if kv_cache and self.kv_cache is not None:
-            self.kv_cache.delete()
+            jax.tree.map(lambda x: x.delete(), self.kv_cache)
             self.kv_cache = None
         if params:
             self.params = None

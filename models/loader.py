@@ -297,17 +297,20 @@ def assemble(plan: LoadPlan, arrays: dict[str, jax.Array], config, mesh: Mesh, d
 
 def load_weights(model_cls: type[nnx.Module], model_dir: str | Path, config, dtype,
                  attention_backend: AttentionBackend | str = "xla",
-                 mesh: Mesh | None = None) -> nnx.Module:
+                 mesh: Mesh | None = None, readers: dict | None = None) -> nnx.Module:
     """Builds a `model_cls` (a registered family) with weights from `model_dir`, cast to `dtype`,
     by the class's `NAME_MAP` and `part_widths(config)`, laid out on `mesh` (None: one device).
 
     `attention_backend` is a backend object or one of
-    `pallas_kernels.backends.ATTENTION_BACKENDS`.
+    `pallas_kernels.backends.ATTENTION_BACKENDS`. `readers`: the tensors to read instead of
+    the folder's safetensors, by HF name, each with `get_shape()` and `[index]` (a GGUF file's,
+    `jaxpaged.gguf_import.open_gguf_weights`).
 
     Raises:
       ValueError: see `match_checkpoint`.
     """
-    readers = open_safetensors(model_dir)
+    if readers is None:
+        readers = open_safetensors(model_dir)
     shapes = {key: tuple(reader.get_shape()) for key, reader in readers.items()}
     plan = plan_load(model_cls, config, attention_backend, dtype)
     sources = match_checkpoint(model_cls, config, plan, shapes)

@@ -68,18 +68,20 @@ def load_config(model_dir: str | Path):
 
 
 def load_model(model_dir: str | Path, config, dtype,
-               attention_backend: AttentionBackend | str = "xla", mesh: Mesh | None = None
-               ) -> nnx.Module:
+               attention_backend: AttentionBackend | str = "xla", mesh: Mesh | None = None,
+               readers: dict | None = None) -> nnx.Module:
     """The family's model for `model_dir`, with its weights laid out on `mesh` (None: one
     device): from its safetensors (`loader.load_weights`), or from the orbax checkpoint that
-    `jaxpaged convert` wrote there (`models.orbax_checkpoint`).
+    `jaxpaged convert` wrote there (`models.orbax_checkpoint`), or from `readers` (HF name ->
+    tensor reader, see `loader.load_weights`).
 
     Raises:
       ValueError: the weights do not match the config, or cannot be read (the tensor named).
     """
     model_cls = model_class(_hf_config(model_dir))
-    if not orbax_checkpoint.is_orbax(model_dir):
-        return load_weights(model_cls, model_dir, config, dtype, attention_backend, mesh)
+    if readers is not None or not orbax_checkpoint.is_orbax(model_dir):
+        return load_weights(model_cls, model_dir, config, dtype, attention_backend, mesh,
+                            readers)
     plan = plan_load(model_cls, config, attention_backend, dtype)
     mesh = mesh or single_device_mesh()
     arrays = orbax_checkpoint.restore_pieces(model_dir, plan, mesh, dtype)

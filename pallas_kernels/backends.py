@@ -8,8 +8,8 @@ step (how it reads the cached blocks), owns its shape buckets, and writes new K/
 
   "cpu"               the C++ kernel (`cpu_attention`) reads cached blocks in place, listed in
                       a flat block list of a length fixed per T; all layers' new K/V are written
-                      in one scatter after the forward pass. float32 pools; other dtypes run
-                      the "xla" code on the same metadata.
+                      in one scatter after the forward pass. float32 and 8-bit pools; other
+                      dtypes run the "xla" code on the same metadata.
   "xla"               pure jnp (`reference.paged_attention_xla_packed`): each token gathers its
                       sequence's pages through the block table; each layer writes its new K/V
                       first. The reference, and the fallback where no C++ compiler is found;
@@ -40,7 +40,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.pallas_kernels.paged_attention import paged_attention
 from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from jaxpaged.pallas_kernels.reference import PAD_SLOT_ID, paged_attention_xla_packed, write_kv
+from jaxpaged.pallas_kernels.reference import (PAD_SLOT_ID, QuantizedKVCache,
+                                              paged_attention_xla_packed, write_kv)
 
 ATTENTION_BACKENDS = ("auto", "cpu", "pallas", "pallas-interpret", "xla")
 
@@ -210,15 +211,25 @@ class AttentionBackend:
         return write_kv(kv_cache, k[None], v[None], md.slot_mapping, layer=layer)
 
 
+def layer_pages(kv_cache, layer: int) -> tuple[jax.Array, jax.Array, dict]:
+    """One layer's (k_pages, v_pages, scales): f[K, P, S, H] each, and for an 8-bit pool its
+    codes with `{"k_scales", "v_scales"}` f32[K, P, S] (else {})."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        k, v, ks, vs = kv_cache.layer(layer)
+        return k, v, {"k_scales": ks, "v_scales": vs}
+    return kv_cache[layer, 0], kv_cache[layer, 1], {}
+
+
 class XlaBackend(AttentionBackend):
     name = "xla"
 
     def _attention(self, q, k, v, kv_cache, layer, md, spec):
         kv_cache = self._write(kv_cache, k, v, md, layer)
+        k_pages, v_pages, scales = layer_pages(kv_cache, layer)
         out = paged_attention_xla_packed(
-            q, kv_cache[layer, 0], kv_cache[layer, 1], md.block_tables, md.seq_lens,
+            q, k_pages, v_pages, md.block_tables, md.seq_lens,
             md.query_start_loc, scale=spec.scale, sliding_window=spec.sliding_window,
-            soft_cap=spec.soft_cap)
+            soft_cap=spec.soft_cap, **scales)
         return out, kv_cache, None
 
 
@@ -231,9 +242,9 @@ class PallasBackend(AttentionBackend):
 
     def _attention(self, q, k, v, kv_cache, layer, md, spec):
         kv_cache = self._write(kv_cache, k, v, md, layer)
-        k_pages, v_pages = kv_cache[layer, 0], kv_cache[layer, 1]
+        k_pages, v_pages, scales = layer_pages(kv_cache, layer)
         kw = dict(scale=spec.scale, soft_cap=spec.soft_cap, sliding_window=spec.sliding_window,
-                  interpret=self.interpret)
+                  interpret=self.interpret, **scales)
         if md.decode_only:  # sequence s's one token is token query_start_loc[s]
             rows = md.query_start_loc[:-1]
             out = paged_attention(q[rows], k_pages, v_pages, md.block_tables, md.seq_lens, **kw)
@@ -252,7 +263,8 @@ class PallasInterpretBackend(PallasBackend):
 
 
 class CpuBackend(AttentionBackend):
-    """The C++ kernel; `float32=False` (another pool dtype) runs the "xla" code instead."""
+    """The C++ kernel; `float32=False` (a bfloat16 or float16 pool) runs the "xla" code
+    instead. 8-bit pools (`QuantizedKVCache`) count as float32 ones: the kernel decodes them."""
 
     name = "cpu"
 
@@ -304,7 +316,8 @@ class CpuBackend(AttentionBackend):
 def make_attention_backend(name: str, dtype=jnp.float32, mesh: Mesh | None = None,
                            batch_invariant: bool = False) -> AttentionBackend:
     """The backend for `name` ("auto": Pallas on GPU; on CPU "cpu" where the C++ kernel builds,
-    else "xla") and the pool's dtype; with `mesh`, sharded over its `MODEL_AXIS`; with
+    else "xla") and the pool's dtype (of its codes for an 8-bit pool); with `mesh`, sharded
+    over its `MODEL_AXIS`; with
     `batch_invariant`, the C++ kernel in its batch-invariant order (the xla backend is
     invariant as it is).
 
@@ -320,7 +333,7 @@ def make_attention_backend(name: str, dtype=jnp.float32, mesh: Mesh | None = Non
         if not cpu_attention.available():
             raise ValueError("attention_backend 'cpu' needs the C++ kernel, which could not be "
                              "built here (see the log); use 'xla'")
-        backend = CpuBackend(float32=jnp.dtype(dtype) == jnp.float32,
+        backend = CpuBackend(float32=jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16),
                              invariant=batch_invariant)
     else:
         backend = {"xla": XlaBackend, "pallas": PallasBackend,

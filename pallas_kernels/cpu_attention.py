@@ -31,10 +31,17 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from jaxpaged.pallas_kernels.reference import QuantizedKVCache, code_values
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cc"
+# Every C++ kernel, compiled into one library: the paged attention here and the weight-only
+# int8 matmul (`quantized_matmul`).
+_SOURCES = (Path(__file__).parent / "csrc" / "paged_attention_cpu.cc",
+            Path(__file__).parent / "csrc" / "int8_matmul_cpu.cc")
 _TARGET = "jaxpaged_paged_attention"
+_QUANTIZED_TARGET = "jaxpaged_paged_attention_quantized"
+INT8_MATMUL_TARGET = "jaxpaged_int8_matmul"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
           "-pthread"]
 
@@ -56,7 +63,7 @@ def _cpu_id() -> str:
 
 
 def _build() -> Path:
-    """Compiles the kernel (once per source, jaxlib and CPU) and returns the shared library.
+    """Compiles the kernels (once per source, jaxlib and CPU) and returns the shared library.
 
     Raises:
       RuntimeError: no C++ compiler, or it failed (its output is in the message).
@@ -64,16 +71,16 @@ def _build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), _cpu_id().encode(),
+    sources = [path.read_bytes() for path in _SOURCES]
+    key = hashlib.sha256(b"\0".join([*sources, jaxlib.__version__.encode(), _cpu_id().encode(),
                                      " ".join([compiler, *_FLAGS]).encode()])).hexdigest()[:16]
-    lib = _cache_dir() / f"paged_attention_cpu-{key}.so"
+    lib = _cache_dir() / f"cpu_kernels-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # build aside, then rename: atomic
         out = Path(tmp) / lib.name
-        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(out)]
+        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
@@ -83,7 +90,7 @@ def _build() -> Path:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel is built and registered (builds it on the first call).
+    """Whether the kernels are built and registered (builds them on the first call).
 
     Set `JAXPAGED_CPU_KERNEL=0` to report False without building.
     """
@@ -95,6 +102,11 @@ def available() -> bool:
         logger.warning("CPU attention kernel unavailable, using the jnp path: %s", e)
         return False
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxpagedPagedAttention),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(_QUANTIZED_TARGET,
+                                jax.ffi.pycapsule(lib.JaxpagedPagedAttentionQuantized),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(INT8_MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxpagedInt8Matmul),
                                 platform="cpu")
     return True
 
@@ -125,7 +137,8 @@ def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cac
     Args:
       q: f32[T, N, H] queries (not pre-scaled).
       k_new, v_new: f32[T, K, H] the new tokens' keys and values.
-      kv_cache: f32[L, 2, K, P, S, H] the whole pool, read at `layer` (i32[]). Passing the whole
+      kv_cache: f32[L, 2, K, P, S, H] the whole pool, or an 8-bit `QuantizedKVCache` of that
+        layout (decoded as each block is read), read at `layer` (i32[]). Passing the whole
         pool, not a slice, lets XLA hand the custom call its buffer without a copy.
       query_start_loc: i32[B + 1] first token of each sequence (non-decreasing, <= T).
       query_lens: i32[B] new tokens per sequence (0 for a padding sequence).
@@ -160,13 +173,22 @@ def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cac
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     if not available():
         raise RuntimeError("the CPU attention kernel is not available (see the log)")
-    call = jax.ffi.ffi_call(
-        _TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                  jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
-        input_output_aliases={3: 1})
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-    return call(f32(q), f32(k_new), f32(v_new), kv_cache, i32(layer), i32(query_start_loc),
-                i32(query_lens), i32(context_blocks), i32(context_rows), i32(context_lens),
-                scale=np.float32(scale), sliding_window=np.int32(sliding_window or 0),
-                soft_cap=np.float32(soft_cap or 0.0), invariant=np.int32(invariant))
+    index = (i32(layer), i32(query_start_loc), i32(query_lens), i32(context_blocks),
+             i32(context_rows), i32(context_lens))
+    attrs = dict(scale=np.float32(scale), sliding_window=np.int32(sliding_window or 0),
+                 soft_cap=np.float32(soft_cap or 0.0), invariant=np.int32(invariant))
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    if isinstance(kv_cache, QuantizedKVCache):
+        call = jax.ffi.ffi_call(
+            _QUANTIZED_TARGET, (out, jax.ShapeDtypeStruct(kv_cache.codes.shape, kv_cache.dtype),
+                                jax.ShapeDtypeStruct(kv_cache.scales.shape, jnp.float32)),
+            input_output_aliases={3: 1, 4: 2})
+        out, codes, scales = call(f32(q), f32(k_new), f32(v_new), kv_cache.codes,
+                                  kv_cache.scales, jnp.asarray(code_values(kv_cache.dtype)),
+                                  *index, **attrs)
+        return out, QuantizedKVCache(codes, scales)
+    call = jax.ffi.ffi_call(_TARGET, (out, jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
+                            input_output_aliases={3: 1})
+    return call(f32(q), f32(k_new), f32(v_new), kv_cache, *index, **attrs)

@@ -10,6 +10,9 @@ keeping an online-softmax state; the wrapper merges the partial results by log-s
 
 Shapes (axis alphabet of `pallas_kernels.reference`):
   q: f[B, N, H]; k_pages, v_pages: f[K, P, S, H]; block_tables: i32[B, M]; context_lens: i32[B].
+An 8-bit pool (`reference.QuantizedKVCache`) passes its codes as k_pages/v_pages (int8 or
+float8_e4m3fn) and its scales k_scales/v_scales: f32[K, P, S]; each gathered page is decoded
+(code * scale) in the kernel, before its dot.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ _NEG = -1e30  # masked logit; finite so a fully masked block leaves the softmax 
 # -- reference --------------------------------------------------------------------------------
 
 def paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, *, scale,
-                              soft_cap=None, sliding_window=None):
+                              soft_cap=None, sliding_window=None, k_scales=None, v_scales=None):
     """Pure-jnp decode attention: gathers each row's pages, then dense masked softmax.
 
     The query of row b sits at position `context_lens[b] - 1` and attends to positions
@@ -40,6 +43,9 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, *
     qg = q.reshape(B, K, N // K, H).astype(jnp.float32)
     k = k_pages[:, block_tables].reshape(K, B, M * S, H).astype(jnp.float32)
     v = v_pages[:, block_tables].reshape(K, B, M * S, H).astype(jnp.float32)
+    if k_scales is not None:
+        k = k * k_scales[:, block_tables].reshape(K, B, M * S, 1)
+        v = v * v_scales[:, block_tables].reshape(K, B, M * S, 1)
     s = jnp.einsum("BKGH,KBlH->BKGl", qg, k) * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
@@ -56,7 +62,8 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, *
 
 # -- validation -------------------------------------------------------------------------------
 
-def check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, *, q_rank: int):
+def check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, *, q_rank: int,
+                       k_scales=None, v_scales=None):
     """Raises ValueError naming the shapes/dtypes when the arguments do not fit together."""
     shapes = (f"q{q.shape}:{q.dtype}, k_pages{k_pages.shape}:{k_pages.dtype}, "
               f"v_pages{v_pages.shape}:{v_pages.dtype}, block_tables{block_tables.shape}:"
@@ -69,7 +76,16 @@ def check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, *, q_ran
     if q.shape[-1] != H or N % K:
         raise ValueError(f"q heads must be a multiple of the KV heads and head dims must match; "
                          f"got {shapes}")
-    if not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in (
+    if k_scales is not None or v_scales is not None:
+        if (k_scales is None or v_scales is None or k_scales.shape != k_pages.shape[:3]
+                or v_scales.shape != k_pages.shape[:3]
+                or k_pages.dtype not in (jnp.int8, jnp.float8_e4m3fn)
+                or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):
+            raise ValueError(f"an 8-bit pool needs int8 or float8_e4m3fn pages and k_scales, "
+                             f"v_scales f32[K, P, S]; got {shapes}, k_scales "
+                             f"{getattr(k_scales, 'shape', None)}, v_scales "
+                             f"{getattr(v_scales, 'shape', None)}")
+    elif not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in (
             jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"q, k_pages and v_pages must share a float dtype; got {shapes}")
     if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
@@ -104,16 +120,26 @@ def _online_softmax_step(carry, s, valid, v):
     return acc, m_next, l * correction + p.sum(axis=-1)
 
 
+def load_pages(pages_ref, scales_ref, pages, C: int, H: int, dtype):
+    """Pages `pages` of one KV head as [C, H] in `dtype`: from a float pool as they are, from
+    an 8-bit pool decoded with their per-token scales (`scales_ref`: [P, S])."""
+    x = pages_ref[pages].reshape(C, H)
+    if scales_ref is None:
+        return x
+    return (x.astype(jnp.float32) * scales_ref[pages].reshape(C)[:, None]).astype(dtype)
+
+
 def _logits(q, k, scale, soft_cap):
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
     return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
-def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_ref, v_ref,
-                   acc_ref, m_ref, l_ref, *, scale, soft_cap, sliding_window, pages_per_split,
-                   pages_per_iter):
+def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, *refs, scale,
+                   soft_cap, sliding_window, pages_per_split, pages_per_iter, quantized):
     # block_tables_ref: [M_pad] (row b); q_ref: [R, H]; k_ref, v_ref: [P, S, H] (KV head h);
-    # acc_ref: [R, H]; m_ref, l_ref: [R] (row b, head h, split s).
+    # with `quantized`, ks_ref, vs_ref: [P, S]; acc_ref: [R, H]; m_ref, l_ref: [R] (row b,
+    # head h, split s).
+    ks_ref, vs_ref, acc_ref, m_ref, l_ref = refs if quantized else (None, None, *refs)
     b, split = pl.program_id(0), pl.program_id(2)
     R, H = q_ref.shape
     S = k_ref.shape[1]
@@ -126,8 +152,8 @@ def _decode_kernel(context_lens_ref, block_tables_ref, q_ref, k_ref, v_ref,
     def body(i, carry):
         page0 = first_page + i * pages_per_iter
         pages = block_tables_ref[pl.ds(page0, pages_per_iter)]
-        k = k_ref[pages].reshape(C, H)
-        v = v_ref[pages].reshape(C, H)
+        k = load_pages(k_ref, ks_ref, pages, C, H, q.dtype)
+        v = load_pages(v_ref, vs_ref, pages, C, H, q.dtype)
         pos = page0 * S + jnp.arange(C)
         valid = pos < ctx
         if sliding_window is not None:
@@ -157,13 +183,17 @@ def merge_splits(acc, m, l):
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     block_tables: jax.Array, context_lens: jax.Array, *, scale: float,
                     soft_cap: float | None = None, sliding_window: int | None = None,
-                    k_splits: int = 1, interpret: bool = False) -> jax.Array:
+                    k_splits: int = 1, interpret: bool = False,
+                    k_scales: jax.Array | None = None,
+                    v_scales: jax.Array | None = None) -> jax.Array:
     """Decode attention over the paged pool (Pallas; Triton on GPU, interpreter on CPU).
 
     Args:
       q: f[num_seqs, num_q_heads, head_dim], the query of each sequence's newest token (its K/V
         already written to the pool), not pre-scaled.
-      k_pages, v_pages: f[num_kv_heads, num_blocks, block_size, head_dim], one layer of the pool.
+      k_pages, v_pages: f[num_kv_heads, num_blocks, block_size, head_dim], one layer of the pool
+        (int8 or float8_e4m3fn codes of an 8-bit pool, with k_scales, v_scales: f32[num_kv_heads,
+        num_blocks, block_size] their per-token scales).
       block_tables: i32[num_seqs, max_blocks_per_seq]; entries past a row's context are ignored
         but must be valid block ids (0 is fine).
       context_lens: i32[num_seqs] tokens in each sequence, the new one included; 0 for a
@@ -182,7 +212,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       ValueError: at trace time, when shapes or dtypes do not fit together (the message names
         them all).
     """
-    check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, q_rank=3)
+    check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, q_rank=3,
+                       k_scales=k_scales, v_scales=v_scales)
+    quantized = k_scales is not None
     B, N, H = q.shape
     K, P, S, _ = k_pages.shape
     G = N // K
@@ -195,7 +227,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     kernel = functools.partial(_decode_kernel, scale=scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, pages_per_split=pages_per_split,
-                               pages_per_iter=per_iter)
+                               pages_per_iter=per_iter, quantized=quantized)
+    scale_specs = [pl.BlockSpec((None, P, S), lambda b, h, s: (h, 0, 0))] * 2 if quantized else []
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(B, K, k_splits),
@@ -205,6 +238,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             pl.BlockSpec((None, None, R, H), lambda b, h, s: (b, h, 0, 0)),  # q
             pl.BlockSpec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0)),  # k_pages
             pl.BlockSpec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0)),  # v_pages
+            *scale_specs,  # k_scales, v_scales
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, R, H), lambda b, h, s: (b, h, s, 0, 0)),
@@ -218,6 +252,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         # Written for the Triton backend (pallas.triton ops), never Mosaic GPU.
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         name="jaxpaged_paged_decode_attention",
-    )(context_lens, block_tables, qg, k_pages, v_pages)
+    )(context_lens, block_tables, qg, k_pages, v_pages,
+      *((k_scales, v_scales) if quantized else ()))
     out = merge_splits(acc, m, l)[:, :, :G]  # [B, K, G, H]
     return out.reshape(B, N, H).astype(q.dtype)

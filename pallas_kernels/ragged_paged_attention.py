@@ -17,7 +17,8 @@ over the GQA group's query heads, so each K/V block is loaded once per KV head, 
 page by page through the block table with an online softmax (FlashAttention-2 style).
 
 Shapes: q: f[T, N, H]; k_pages, v_pages: f[K, P, S, H]; block_tables: i32[B, M];
-context_lens: i32[B]; cu_q_lens: i32[B + 1]; num_seqs: i32[] (rows past it are ignored).
+context_lens: i32[B]; cu_q_lens: i32[B + 1]; num_seqs: i32[] (rows past it are ignored). An
+8-bit pool adds k_scales, v_scales: f32[K, P, S], as in `paged_attention`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxpaged.pallas_kernels.paged_attention import (
-    _NEG, _logits, _online_softmax_step, check_paged_inputs, pages_per_block)
+    _NEG, _logits, _online_softmax_step, check_paged_inputs, load_pages, pages_per_block)
 
 BLOCK_Q = 16  # query rows per tile (one program); >= 16 for the tensor-core dot
 
@@ -71,9 +72,11 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, block_tables, context_
 
 # -- validation -------------------------------------------------------------------------------
 
-def check_ragged_inputs(q, k_pages, v_pages, block_tables, context_lens, cu_q_lens):
+def check_ragged_inputs(q, k_pages, v_pages, block_tables, context_lens, cu_q_lens,
+                        k_scales=None, v_scales=None):
     """Raises ValueError naming the shapes/dtypes when the arguments do not fit together."""
-    check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, q_rank=3)
+    check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, q_rank=3,
+                       k_scales=k_scales, v_scales=v_scales)
     B = block_tables.shape[0]
     if cu_q_lens.shape != (B + 1,) or cu_q_lens.dtype != jnp.int32 or context_lens.shape != (B,):
         raise ValueError(f"cu_q_lens must be i32[{B + 1}] and context_lens i32[{B}] for "
@@ -114,10 +117,12 @@ def query_tiles(cu_q_lens, num_seqs, num_tiles_bound: int, block_q: int = BLOCK_
 # -- kernel -----------------------------------------------------------------------------------
 
 def _ragged_kernel(num_tiles_ref, tile_seq_ref, tile_row0_ref, cu_q_lens_ref, context_lens_ref,
-                   block_tables_ref, q_ref, k_ref, v_ref, o_ref, *, scale, soft_cap,
-                   sliding_window, group, pages_per_iter):
+                   block_tables_ref, q_ref, k_ref, v_ref, *refs, scale, soft_cap,
+                   sliding_window, group, pages_per_iter, quantized):
     # num_tiles_ref: [1]; tile_seq_ref, tile_row0_ref: [G]; q_ref, o_ref: [T + BLOCK_Q, N, H]
-    # (whole); block_tables_ref: [B, M_pad] (whole); k_ref, v_ref: [P, S, H] (KV head h).
+    # (whole); block_tables_ref: [B, M_pad] (whole); k_ref, v_ref: [P, S, H] (KV head h);
+    # with `quantized`, ks_ref, vs_ref: [P, S].
+    ks_ref, vs_ref, o_ref = refs if quantized else (None, None, *refs)
     t, h = pl.program_id(0), pl.program_id(1)
     M_pad = block_tables_ref.shape[1]
     S, H = k_ref.shape[1], k_ref.shape[2]
@@ -146,8 +151,8 @@ def _ragged_kernel(num_tiles_ref, tile_seq_ref, tile_row0_ref, cu_q_lens_ref, co
         def body(i, carry):
             page0 = (first_iter + i) * pages_per_iter
             pages = block_tables_ref[b, pl.ds(page0, pages_per_iter)]
-            k = k_ref[pages].reshape(C, H)
-            v = v_ref[pages].reshape(C, H)
+            k = load_pages(k_ref, ks_ref, pages, C, H, q_ref.dtype)
+            v = load_pages(v_ref, vs_ref, pages, C, H, q_ref.dtype)
             key_pos = page0 * S + jnp.arange(C)
             valid = (key_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
             if sliding_window is not None:
@@ -172,7 +177,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            block_tables: jax.Array, context_lens: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array | int, *, scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
-                           interpret: bool = False) -> jax.Array:
+                           interpret: bool = False, k_scales: jax.Array | None = None,
+                           v_scales: jax.Array | None = None) -> jax.Array:
     """Causal attention of each sequence's new tokens over its pages (Pallas; Triton on GPU).
 
     The grid is (max_query_tiles(T, B), K): one program per query tile of BLOCK_Q rows lying in
@@ -184,7 +190,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       q: f[T, N, H] (num_tokens, num_q_heads, head_dim) new tokens of all sequences, back to
         back, then any padding; not pre-scaled.
       k_pages, v_pages: f[K, P, S, H] (num_kv_heads, num_blocks, block_size, head_dim), one
-        layer of the pool, with the new tokens' K/V already written.
+        layer of the pool, with the new tokens' K/V already written (an 8-bit pool's codes,
+        with k_scales, v_scales: f32[K, P, S]).
       block_tables: i32[B, M] (max_num_seqs, max_blocks_per_seq); entries past a row's context
         must be valid block ids (0 is fine).
       context_lens: i32[B] tokens of each sequence including its new ones.
@@ -201,7 +208,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Raises:
       ValueError: at trace time, when shapes or dtypes do not fit together.
     """
-    check_ragged_inputs(q, k_pages, v_pages, block_tables, context_lens, cu_q_lens)
+    check_ragged_inputs(q, k_pages, v_pages, block_tables, context_lens, cu_q_lens,
+                        k_scales, v_scales)
+    quantized = k_scales is not None
     T, N, H = q.shape
     K, P, S, _ = k_pages.shape
     B, M = block_tables.shape
@@ -215,7 +224,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     kernel = functools.partial(_ragged_kernel, scale=scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, group=N // K,
-                               pages_per_iter=per_iter)
+                               pages_per_iter=per_iter, quantized=quantized)
+    scale_specs = [pl.BlockSpec((None, P, S), lambda t, h: (h, 0, 0))] * 2 if quantized else []
     whole = lambda shape: pl.BlockSpec(shape, lambda t, h: (0,) * len(shape))
     out = pl.pallas_call(
         kernel,
@@ -230,6 +240,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             whole((T + BLOCK_Q, N, H)),  # q
             pl.BlockSpec((None, P, S, H), lambda t, h: (h, 0, 0, 0)),  # k_pages
             pl.BlockSpec((None, P, S, H), lambda t, h: (h, 0, 0, 0)),  # v_pages
+            *scale_specs,  # k_scales, v_scales
         ],
         out_specs=whole((T + BLOCK_Q, N, H)),
         out_shape=jax.ShapeDtypeStruct((T + BLOCK_Q, N, H), q.dtype),
@@ -238,5 +249,5 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         name="jaxpaged_ragged_paged_attention",
     )(num_tiles, tile_seq, tile_row0, cu_q_lens, context_lens, block_tables, q_pad, k_pages,
-      v_pages)
+      v_pages, *((k_scales, v_scales) if quantized else ()))
     return out[:T]

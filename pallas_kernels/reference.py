@@ -8,12 +8,20 @@ Axis alphabet used in shapes, comments and einsum strings throughout the project
 KV pool layout: `kv_cache: f[L, 2, K, P, S, H]` (index 1 of the second axis: 0 = keys, 1 = values).
 A token at position `pos` of a sequence lives in physical block `block_table[pos // S]` at offset
 `pos % S`; its flat *slot* is `block * S + offset` (PagedAttention paper, section 4.1-4.3).
+
+An 8-bit pool (`kv_cache_dtype` "int8" or "fp8") is a `QuantizedKVCache`: the same layout of
+one-byte codes plus one float32 scale per token and head, `value = code * scale`, the scale
+chosen when the token is written (`max |x| / 127` for int8, `/ 448` for float8_e4m3fn), so a
+token's K/V never change after and blocks stay shareable (prefix caching, copy-on-write).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PAD_SLOT_ID = -1  # slot_mapping value of a padding token: its K/V is not written
 _MASK_VALUE = -1e30  # finite, so fully masked (padding) rows give finite output instead of NaN
@@ -21,12 +29,65 @@ _MASK_VALUE = -1e30  # finite, so fully masked (padding) rows give finite output
 
 _KEYS_PER_CHUNK = 1 << 16  # keys gathered at once by `paged_attention_xla_packed`
 
+# kv_cache_dtype -> the 8-bit code dtype and its largest value (symmetric scaling)
+KV_CODE_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedKVCache:
+    """An 8-bit KV pool: `codes: i8 or f8e4m3fn[L, 2, K, P, S, H]` and `scales: f32[L, 2, K, P,
+    S]`, the value of a code being `code * scale` of its token and head (module doc)."""
+
+    codes: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+    @property
+    def dtype(self):
+        return self.codes.dtype
+
+    def layer(self, layer: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(k_codes, v_codes, k_scales, v_scales) of one layer: [K, P, S, H] and [K, P, S]."""
+        return (self.codes[layer, 0], self.codes[layer, 1], self.scales[layer, 0],
+                self.scales[layer, 1])
+
+
+def code_values(dtype) -> np.ndarray:
+    """f32[256]: the value of each byte as a code of `dtype` (int8 or float8_e4m3fn), NaN
+    codes as 0 (never written)."""
+    values = np.arange(256, dtype=np.uint8).view(np.dtype(dtype)).astype(np.float32)
+    return np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def quantize_kv(x: jax.Array, code_dtype) -> tuple[jax.Array, jax.Array]:
+    """x f[..., H] -> (codes [..., H] of `code_dtype`, f32[...] scales), one scale per row:
+    `max |x| / qmax` (1 for a zero row), codes rounded to nearest."""
+    qmax = {jnp.dtype(d): m for d, m in KV_CODE_DTYPES.values()}[jnp.dtype(code_dtype)]
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    y = x / scale[..., None]
+    codes = (jnp.clip(jnp.round(y), -qmax, qmax) if jnp.dtype(code_dtype) == jnp.int8
+             else jnp.clip(y, -qmax, qmax)).astype(code_dtype)
+    return codes, scale
+
+
+def dequantize_kv(codes: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """codes [..., H] times scales [...]: the K/V values in `dtype`."""
+    return (codes.astype(jnp.float32) * scales[..., None]).astype(dtype)
+
 
 def paged_attention_xla_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                block_tables: jax.Array, seq_lens: jax.Array,
                                query_start_loc: jax.Array, *, scale: float,
                                sliding_window: int | None = None,
-                               soft_cap: float | None = None) -> jax.Array:
+                               soft_cap: float | None = None,
+                               k_scales: jax.Array | None = None,
+                               v_scales: jax.Array | None = None) -> jax.Array:
     """Causal paged attention of a packed step, every key read from the pool (pure jnp).
 
     Sequence s's new tokens are `q[query_start_loc[s] : query_start_loc[s + 1]]`, its newest,
@@ -37,7 +98,8 @@ def paged_attention_xla_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
 
     Args:
       q: f[T, N, H] queries (not pre-scaled).
-      k_pages, v_pages: f[K, P, S, H], one layer of the pool.
+      k_pages, v_pages: f[K, P, S, H], one layer of the pool; or an 8-bit pool's codes, with
+        k_scales, v_scales: f32[K, P, S] their scales (`QuantizedKVCache`), decoded as read.
       block_tables: i32[B, M] each sequence's blocks; entries past its tokens any valid id.
       seq_lens: i32[B] tokens of each sequence, new ones included (0 for padding).
       query_start_loc: i32[B + 1] non-decreasing; tokens from `query_start_loc[B]` on belong to
@@ -64,6 +126,9 @@ def paged_attention_xla_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
         q_t, seq_t, pos_t, real_t = args
         k = k_pages[:, block_tables[seq_t]].reshape(K, M * S, H)
         v = v_pages[:, block_tables[seq_t]].reshape(K, M * S, H)
+        if k_scales is not None:
+            k = dequantize_kv(k, k_scales[:, block_tables[seq_t]].reshape(K, M * S), q.dtype)
+            v = dequantize_kv(v, v_scales[:, block_tables[seq_t]].reshape(K, M * S), q.dtype)
         s = jnp.einsum("KGH,KlH->KGl", q_t.reshape(K, N // K, H), k,
                        preferred_element_type=jnp.float32) * scale
         if soft_cap is not None:
@@ -80,23 +145,24 @@ def paged_attention_xla_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     return jax.lax.map(one, (q, seq, pos, real), batch_size=chunk)
 
 
-def copy_blocks(kv_cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+def copy_blocks(kv_cache, src: jax.Array, dst: jax.Array):
     """Copies whole blocks of every layer: block dst[i] <- block src[i] (copy-on-write).
 
     Args:
-      kv_cache: f[L, 2, K, P, S, H] the pool (donate it).
+      kv_cache: f[L, 2, K, P, S, H] the pool, or a `QuantizedKVCache` (donate it).
       src, dst: i32[C] block ids; a pair may repeat (padding), dst ids are otherwise distinct.
     """
-    return kv_cache.at[:, :, :, dst].set(kv_cache[:, :, :, src])
+    return jax.tree.map(lambda x: x.at[:, :, :, dst].set(x[:, :, :, src]), kv_cache)
 
 
-def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
-             layer: int | None = None) -> jax.Array:
+def write_kv(kv_cache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+             layer: int | None = None):
     """Scatters the new tokens' K/V into the pool: every layer's in one update, or one layer's.
 
     Args:
-      kv_cache: f[L, 2, K, P, S, H] the pool; donate it to the enclosing jit so the update is
-        in place.
+      kv_cache: f[L, 2, K, P, S, H] the pool, or a `QuantizedKVCache` (each new token's K and
+        V quantized, one scale per head); donate it to the enclosing jit so the update is in
+        place.
       k, v: f[L, T, K, H] new keys and values of every layer, or f[1, T, K, H] of `layer`.
       slot_mapping: i32[T] flat slot (`block * S + offset`) of each token; `PAD_SLOT_ID` (-1)
         for padding tokens, which are dropped.
@@ -107,9 +173,14 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     """
     L, _, K, P, S, H = kv_cache.shape
     slots = jnp.where(slot_mapping < 0, P * S, slot_mapping)  # out of range -> dropped
-    new = jnp.stack([k, v], axis=1).transpose(0, 1, 3, 2, 4).astype(kv_cache.dtype)  # [L,2,K,T,H]
+    new = jnp.stack([k, v], axis=1).transpose(0, 1, 3, 2, 4)  # [L, 2, K, T, H]
     layers = slice(None) if layer is None else slice(layer, layer + 1)
     # Indexed by (block, offset) on the pool itself, not on a [.., P * S, H] reshape: with one
     # KV head (Gemma 3 270M) XLA's CPU layout assignment gave the reshaped scatter a layout of
     # its own and copied the whole pool twice a step to restore it.
-    return kv_cache.at[layers, :, :, slots // S, slots % S].set(new, mode="drop")
+    index = (layers, slice(None), slice(None), slots // S, slots % S)
+    if isinstance(kv_cache, QuantizedKVCache):
+        codes, scales = quantize_kv(new, kv_cache.codes.dtype)
+        return QuantizedKVCache(kv_cache.codes.at[index].set(codes, mode="drop"),
+                                kv_cache.scales.at[index].set(scales, mode="drop"))
+    return kv_cache.at[index].set(new.astype(kv_cache.dtype), mode="drop")

@@ -18,7 +18,8 @@ def test_wheel_puts_only_jaxpaged_at_top_level(tmp_path):
     assert tops == {"jaxpaged", next(t for t in tops if t.endswith(".dist-info"))}
     for module in ("jaxpaged/models/llama.py", "jaxpaged/pallas_kernels/reference.py",
                    "jaxpaged/server/__init__.py", "jaxpaged/llm.py",
-                   "jaxpaged/pallas_kernels/csrc/paged_attention_cpu.cc"):
+                   "jaxpaged/pallas_kernels/csrc/paged_attention_cpu.cc",
+                   "jaxpaged/pallas_kernels/csrc/int8_matmul_cpu.cc"):
         assert module in names
 
     # Installed from the wheel (ahead of the editable install on sys.path), it imports.
@@ -29,7 +30,7 @@ def test_wheel_puts_only_jaxpaged_at_top_level(tmp_path):
     code = ("import jaxpaged.models, jaxpaged.pallas_kernels, jaxpaged.server, sys;"
             "from jaxpaged import LLM;"
             "from jaxpaged.pallas_kernels import cpu_attention;"
-            "assert cpu_attention._SOURCE.is_file(), cpu_attention._SOURCE;"
+            "assert all(p.is_file() for p in cpu_attention._SOURCES), cpu_attention._SOURCES;"
             "assert jaxpaged.models.__file__.startswith(sys.argv[1]), jaxpaged.models.__file__")
     res = subprocess.run([sys.executable, "-c", code, str(target)], cwd=tmp_path,
                          env={"PYTHONPATH": str(target), "JAX_PLATFORMS": "cpu"},

@@ -85,8 +85,15 @@ struct Args {
   const float* q;
   const float* k_new;
   const float* v_new;
-  const float* k_pages;  // this layer's keys:   [K, P, S, H]
+  const float* k_pages;  // this layer's keys:   [K, P, S, H] (a float32 pool)
   const float* v_pages;  // this layer's values: [K, P, S, H]
+  // An 8-bit pool (PagedAttentionQuantized): this layer's codes [K, P, S, H], one byte each,
+  // their scales [K, P, S] (one per token and head), and each code's value before scaling.
+  const uint8_t* k_codes = nullptr;
+  const uint8_t* v_codes = nullptr;
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
+  const float* code_values = nullptr;  // [256]
   const int32_t* query_start_loc;
   const int32_t* query_lens;
   const int32_t* blocks;
@@ -341,14 +348,37 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
   if (W > 0)
     for (const int64_t lo = c + task.i0 - W + 1; e_first < e1 && pos + len_of(e_first) <= lo;)
       pos += len_of(e_first++);
-  auto block_of = [&](int64_t e, const float* pages) {
-    return pages + (k * d.P + a.blocks[e]) * d.S * H;
+  // Block e's keys (or values) as float32 rows, H apart: in place in a float32 pool; from an
+  // 8-bit pool, decoded (code value times the row's scale) into `buf`.
+  thread_local std::vector<float> kdec, vdec;
+  const int64_t block_elems = d.S * H;
+  auto decode = [&](int64_t e, bool values, int64_t row0, int64_t n, float* buf) {
+    const int64_t base = (k * d.P + a.blocks[e]) * d.S;
+    const uint8_t* codes = (values ? a.v_codes : a.k_codes) + (base + row0) * H;
+    const float* scales = (values ? a.v_scales : a.k_scales) + base + row0;
+    for (int64_t t = 0; t < n; ++t) {
+      const float sc = scales[t];
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) buf[t * H + h] = a.code_values[codes[t * H + h]] * sc;
+    }
+    return buf;
+  };
+  auto block_of = [&](int64_t e, bool values) -> const float* {
+    if (a.code_values == nullptr)
+      return (values ? a.v_pages : a.k_pages) + (k * d.P + a.blocks[e]) * block_elems;
+    std::vector<float>& buf = values ? vdec : kdec;
+    buf.resize(block_elems);
+    return decode(e, values, 0, len_of(e), buf.data());
   };
   auto prefetch = [&](int64_t e) {
     if (e >= e1) return;
-    const int64_t bytes = len_of(e) * H * sizeof(float);
-    const char* kb = reinterpret_cast<const char*>(block_of(e, a.k_pages));
-    const char* vb = reinterpret_cast<const char*>(block_of(e, a.v_pages));
+    const int64_t offset = (k * d.P + a.blocks[e]) * block_elems;
+    const bool q = a.code_values != nullptr;
+    const int64_t bytes = len_of(e) * H * (q ? 1 : sizeof(float));
+    const char* kb = q ? reinterpret_cast<const char*>(a.k_codes + offset)
+                       : reinterpret_cast<const char*>(a.k_pages + offset);
+    const char* vb = q ? reinterpret_cast<const char*>(a.v_codes + offset)
+                       : reinterpret_cast<const char*>(a.v_pages + offset);
     for (int64_t off = 0; off < bytes; off += 64) {
       __builtin_prefetch(kb + off, 0, 2);
       __builtin_prefetch(vb + off, 0, 2);
@@ -373,8 +403,13 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
         const float *kp, *vp;
         if (p < c) {
           while (e_pos + len_of(e) <= p) e_pos += len_of(e++);
-          kp = block_of(e, a.k_pages) + (p - e_pos) * H;
-          vp = block_of(e, a.v_pages) + (p - e_pos) * H;
+          if (a.code_values != nullptr) {  // decoded straight into the tile
+            decode(e, false, p - e_pos, 1, kbuf.data() + t * H);
+            decode(e, true, p - e_pos, 1, vbuf.data() + t * H);
+            continue;
+          }
+          kp = block_of(e, false) + (p - e_pos) * H;
+          vp = block_of(e, true) + (p - e_pos) * H;
         } else {
           kp = a.k_new + ((first + p - c) * K + k) * H;
           vp = a.v_new + ((first + p - c) * K + k) * H;
@@ -390,8 +425,8 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
       prefetch(e + kPrefetchBlocks);
       const int64_t n = len_of(e);
       if (n == 0) continue;
-      const float* kb = block_of(e, a.k_pages);
-      const float* vb = block_of(e, a.v_pages);
+      const float* kb = block_of(e, false);
+      const float* vb = block_of(e, true);
       if (W == 0)
         Update(rows.data(), R, kb, vb, H, n, H, s, ld, cap, false);
       else
@@ -440,20 +475,17 @@ struct Work {
   }
 };
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                              ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                              ffi::Buffer<ffi::F32> kv_cache, ffi::Buffer<ffi::S32> layer,
-                              ffi::Buffer<ffi::S32> query_start_loc,
-                              ffi::Buffer<ffi::S32> query_lens,
-                              ffi::Buffer<ffi::S32> context_blocks,
-                              ffi::Buffer<ffi::S32> context_rows,
-                              ffi::Buffer<ffi::S32> context_lens, float scale,
-                              int32_t sliding_window, float soft_cap, int32_t invariant,
-                              ffi::ResultBuffer<ffi::F32> out,
-                              ffi::ResultBuffer<ffi::F32> kv_cache_out) {
+// The checks and the work shared by both pools. `pool_dims` is the pool's [L, 2, K, P, S, H];
+// `a` holds the pool's pointers for layer `layer`, the rest is filled here.
+ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k_new,
+                  ffi::Buffer<ffi::F32>& v_new, ffi::Span<const int64_t> cd, int64_t l_idx,
+                  ffi::Buffer<ffi::S32>& query_start_loc, ffi::Buffer<ffi::S32>& query_lens,
+                  ffi::Buffer<ffi::S32>& context_blocks, ffi::Buffer<ffi::S32>& context_rows,
+                  ffi::Buffer<ffi::S32>& context_lens, float scale, int32_t sliding_window,
+                  float soft_cap, int32_t invariant, ffi::ResultBuffer<ffi::F32>& out,
+                  Args a) {
   auto qd = q.dimensions();
   auto kd = k_new.dimensions();
-  auto cd = kv_cache.dimensions();
   if (qd.size() != 3 || kd.size() != 3 || cd.size() != 6 || cd[1] != 2 || kd[0] != qd[0] ||
       kd[1] != cd[2] || kd[2] != qd[2] || cd[5] != qd[2] || qd[1] % cd[2] != 0)
     return ffi::Error::InvalidArgument(
@@ -467,7 +499,6 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("query_start_loc must have one more entry than query_lens");
   if (sliding_window < 0 || !(soft_cap >= 0.f))
     return ffi::Error::InvalidArgument("sliding_window and soft_cap must be >= 0 (0: none)");
-  const int64_t l_idx = layer.typed_data()[0];
   if (l_idx < 0 || l_idx >= d.L) return ffi::Error::InvalidArgument("layer out of range");
   const int32_t* qsl = query_start_loc.typed_data();
   const int32_t* qlens = query_lens.typed_data();
@@ -488,19 +519,21 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     if (rows[e] >= 0 && rows[e] < B && (blocks[e] < 0 || blocks[e] >= d.P))
       return ffi::Error::InvalidArgument("context block id out of range");
 
-  // The pool comes back as a second result aliased to the input (input_output_aliases), so
-  // that the layers' calls form one chain of uses of the pool buffer and XLA never copies it
-  // to order them against the step's final K/V write. The kernel only reads the pool; the copy
-  // below runs only where XLA gave the result its own buffer.
-  if (kv_cache_out->untyped_data() != kv_cache.untyped_data())
-    std::copy_n(kv_cache.typed_data(), kv_cache.element_count(), kv_cache_out->typed_data());
-
-  const int64_t layer_size = 2 * d.K * d.P * d.S * d.H;
-  const float* pool_layer = kv_cache.typed_data() + l_idx * layer_size;
-  w->args = Args{d, q.typed_data(), k_new.typed_data(), v_new.typed_data(), pool_layer,
-                 pool_layer + layer_size / 2, qsl, qlens, blocks, context_lens.typed_data(),
-                 w->row_start.data(), scale, sliding_window, soft_cap, invariant != 0,
-                 out->typed_data()};
+  a.d = d;
+  a.q = q.typed_data();
+  a.k_new = k_new.typed_data();
+  a.v_new = v_new.typed_data();
+  a.query_start_loc = qsl;
+  a.query_lens = qlens;
+  a.blocks = blocks;
+  a.lens = context_lens.typed_data();
+  a.row_start = w->row_start.data();
+  a.scale = scale;
+  a.window = sliding_window;
+  a.soft_cap = soft_cap;
+  a.invariant = invariant != 0;
+  a.out = out->typed_data();
+  w->args = a;
   std::fill(out->typed_data(), out->typed_data() + d.T * d.N * d.H, 0.f);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i0 = 0; i0 < qlens[b]; i0 += kQueryChunk)
@@ -513,6 +546,72 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   w->Run();
   while (w->done.load(std::memory_order_acquire) < num_tasks) std::this_thread::yield();
   return ffi::Error::Success();
+}
+
+// The pool comes back as a result aliased to the input (input_output_aliases), so that the
+// layers' calls form one chain of uses of the pool buffer and XLA never copies it to order
+// them against the step's final K/V write. The kernel only reads the pool; the copy runs only
+// where XLA gave the result its own buffer.
+void PassThrough(const void* in, void* out, size_t bytes) {
+  if (out != in) std::copy_n(static_cast<const char*>(in), bytes, static_cast<char*>(out));
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                              ffi::Buffer<ffi::F32> kv_cache, ffi::Buffer<ffi::S32> layer,
+                              ffi::Buffer<ffi::S32> query_start_loc,
+                              ffi::Buffer<ffi::S32> query_lens,
+                              ffi::Buffer<ffi::S32> context_blocks,
+                              ffi::Buffer<ffi::S32> context_rows,
+                              ffi::Buffer<ffi::S32> context_lens, float scale,
+                              int32_t sliding_window, float soft_cap, int32_t invariant,
+                              ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<ffi::F32> kv_cache_out) {
+  PassThrough(kv_cache.untyped_data(), kv_cache_out->untyped_data(), kv_cache.size_bytes());
+  auto cd = kv_cache.dimensions();
+  const int64_t l_idx = layer.typed_data()[0];
+  Args a{};
+  if (cd.size() == 6 && l_idx >= 0 && l_idx < cd[0]) {
+    const int64_t layer_size = 2 * cd[2] * cd[3] * cd[4] * cd[5];
+    a.k_pages = kv_cache.typed_data() + l_idx * layer_size;
+    a.v_pages = a.k_pages + layer_size / 2;
+  }
+  return Attend(pool, q, k_new, v_new, cd, l_idx, query_start_loc, query_lens, context_blocks,
+                context_rows, context_lens, scale, sliding_window, soft_cap, invariant, out, a);
+}
+
+// The same over an 8-bit pool: codes (int8 or float8_e4m3fn, as bytes) [L, 2, K, P, S, H]
+// and scales f32[L, 2, K, P, S]; code_values f32[256] the value of each byte before scaling.
+ffi::Error PagedAttentionQuantizedImpl(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+    ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer codes, ffi::Buffer<ffi::F32> scales,
+    ffi::Buffer<ffi::F32> code_values, ffi::Buffer<ffi::S32> layer,
+    ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> query_lens,
+    ffi::Buffer<ffi::S32> context_blocks, ffi::Buffer<ffi::S32> context_rows,
+    ffi::Buffer<ffi::S32> context_lens, float scale, int32_t sliding_window, float soft_cap,
+    int32_t invariant, ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> codes_out,
+    ffi::ResultBuffer<ffi::F32> scales_out) {
+  PassThrough(codes.untyped_data(), codes_out->untyped_data(), codes.size_bytes());
+  PassThrough(scales.untyped_data(), scales_out->untyped_data(), scales.size_bytes());
+  auto cd = codes.dimensions();
+  auto sd = scales.dimensions();
+  if (ffi::ByteWidth(codes.element_type()) != 1 || code_values.element_count() != 256 ||
+      cd.size() != 6 || sd.size() != 5 || !std::equal(sd.begin(), sd.end(), cd.begin()))
+    return ffi::Error::InvalidArgument(
+        "paged_attention_cpu: an 8-bit pool must be codes [L, 2, K, P, S, H] of one byte, "
+        "scales f32[L, 2, K, P, S] and code_values f32[256]");
+  const int64_t l_idx = layer.typed_data()[0];
+  Args a{};
+  if (l_idx >= 0 && l_idx < cd[0]) {
+    const int64_t layer_tokens = 2 * cd[2] * cd[3] * cd[4];
+    a.k_codes = static_cast<const uint8_t*>(codes.untyped_data()) + l_idx * layer_tokens * cd[5];
+    a.v_codes = a.k_codes + layer_tokens / 2 * cd[5];
+    a.k_scales = scales.typed_data() + l_idx * layer_tokens;
+    a.v_scales = a.k_scales + layer_tokens / 2;
+    a.code_values = code_values.typed_data();
+  }
+  return Attend(pool, q, k_new, v_new, cd, l_idx, query_start_loc, query_lens, context_blocks,
+                context_rows, context_lens, scale, sliding_window, soft_cap, invariant, out, a);
 }
 
 }  // namespace
@@ -536,4 +635,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Attr<int32_t>("invariant")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // kv_cache, aliased
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttentionQuantized, PagedAttentionQuantizedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_new
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_new
+                                  .Arg<ffi::AnyBuffer>()         // codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // code_values
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // context_blocks
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // context_rows
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // context_lens
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("invariant")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::AnyBuffer>()         // codes, aliased
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // scales, aliased
 );
