@@ -10,8 +10,8 @@ keeping an online-softmax state; the wrapper merges the partial results by log-s
 
 Shapes (axis alphabet of `pallas_kernels.reference`):
   q: f[B, N, H]; k_pages, v_pages: f[K, P, S, H]; block_tables: i32[B, M]; context_lens: i32[B].
-An 8-bit pool (`reference.QuantizedKVCache`) passes its codes as k_pages/v_pages (int8 or
-float8_e4m3fn) and its scales k_scales/v_scales: f32[K, P, S]; each gathered page is decoded
+An 8-bit pool (`reference.QuantizedKVCache`) passes its codes as k_pages/v_pages (int8, or
+uint8 float8_e4m3fn bit patterns) and its scales k_scales/v_scales: f32[K, P, S]; each gathered page is decoded
 (code * scale) in the kernel, before its dot.
 """
 
@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jaxpaged.pallas_kernels.reference import codes_to_float
 
 _NEG = -1e30  # masked logit; finite so a fully masked block leaves the softmax state unchanged
 
@@ -44,8 +46,10 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, context_lens, *
     k = k_pages[:, block_tables].reshape(K, B, M * S, H).astype(jnp.float32)
     v = v_pages[:, block_tables].reshape(K, B, M * S, H).astype(jnp.float32)
     if k_scales is not None:
-        k = k * k_scales[:, block_tables].reshape(K, B, M * S, 1)
-        v = v * v_scales[:, block_tables].reshape(K, B, M * S, 1)
+        k = codes_to_float(k_pages[:, block_tables].reshape(K, B, M * S, H)) * k_scales[
+            :, block_tables].reshape(K, B, M * S, 1)
+        v = codes_to_float(v_pages[:, block_tables].reshape(K, B, M * S, H)) * v_scales[
+            :, block_tables].reshape(K, B, M * S, 1)
     s = jnp.einsum("BKGH,KBlH->BKGl", qg, k) * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
@@ -79,9 +83,9 @@ def check_paged_inputs(q, k_pages, v_pages, block_tables, context_lens, *, q_ran
     if k_scales is not None or v_scales is not None:
         if (k_scales is None or v_scales is None or k_scales.shape != k_pages.shape[:3]
                 or v_scales.shape != k_pages.shape[:3]
-                or k_pages.dtype not in (jnp.int8, jnp.float8_e4m3fn)
+                or k_pages.dtype not in (jnp.int8, jnp.uint8)
                 or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16)):
-            raise ValueError(f"an 8-bit pool needs int8 or float8_e4m3fn pages and k_scales, "
+            raise ValueError(f"an 8-bit pool needs int8 or uint8 (fp8) pages and k_scales, "
                              f"v_scales f32[K, P, S]; got {shapes}, k_scales "
                              f"{getattr(k_scales, 'shape', None)}, v_scales "
                              f"{getattr(v_scales, 'shape', None)}")
@@ -126,7 +130,7 @@ def load_pages(pages_ref, scales_ref, pages, C: int, H: int, dtype):
     x = pages_ref[pages].reshape(C, H)
     if scales_ref is None:
         return x
-    return (x.astype(jnp.float32) * scales_ref[pages].reshape(C)[:, None]).astype(dtype)
+    return (codes_to_float(x) * scales_ref[pages].reshape(C)[:, None]).astype(dtype)
 
 
 def _logits(q, k, scale, soft_cap):
@@ -192,7 +196,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       q: f[num_seqs, num_q_heads, head_dim], the query of each sequence's newest token (its K/V
         already written to the pool), not pre-scaled.
       k_pages, v_pages: f[num_kv_heads, num_blocks, block_size, head_dim], one layer of the pool
-        (int8 or float8_e4m3fn codes of an 8-bit pool, with k_scales, v_scales: f32[num_kv_heads,
+        (int8 or uint8-stored float8_e4m3fn codes of an 8-bit pool, with k_scales, v_scales: f32[num_kv_heads,
         num_blocks, block_size] their per-token scales).
       block_tables: i32[num_seqs, max_blocks_per_seq]; entries past a row's context are ignored
         but must be valid block ids (0 is fine).

@@ -13,6 +13,8 @@ An 8-bit pool (`kv_cache_dtype` "int8" or "fp8") is a `QuantizedKVCache`: the sa
 one-byte codes plus one float32 scale per token and head, `value = code * scale`, the scale
 chosen when the token is written (`max |x| / 127` for int8, `/ 448` for float8_e4m3fn), so a
 token's K/V never change after and blocks stay shareable (prefix caching, copy-on-write).
+float8_e4m3fn codes are stored as their bit patterns in uint8: XLA:CPU rewrites a scatter into
+an f8 array as one in float32 over the whole pool.
 """
 
 from __future__ import annotations
@@ -29,15 +31,18 @@ _MASK_VALUE = -1e30  # finite, so fully masked (padding) rows give finite output
 
 _KEYS_PER_CHUNK = 1 << 16  # keys gathered at once by `paged_attention_xla_packed`
 
-# kv_cache_dtype -> the 8-bit code dtype and its largest value (symmetric scaling)
-KV_CODE_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+# kv_cache_dtype -> the codes' storage dtype and their largest value (symmetric scaling):
+# int8 codes as they are, float8_e4m3fn codes as uint8 bit patterns (module doc).
+KV_CODE_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.uint8, 448.0)}
+_QMAX = {jnp.dtype(d): m for d, m in KV_CODE_DTYPES.values()}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedKVCache:
-    """An 8-bit KV pool: `codes: i8 or f8e4m3fn[L, 2, K, P, S, H]` and `scales: f32[L, 2, K, P,
-    S]`, the value of a code being `code * scale` of its token and head (module doc)."""
+    """An 8-bit KV pool: `codes: i8[L, 2, K, P, S, H]` (int8 codes) or `u8[...]` (the bit
+    patterns of float8_e4m3fn codes) and `scales: f32[L, 2, K, P, S]`, the value of a code
+    being `code * scale` of its token and head (module doc)."""
 
     codes: jax.Array
     scales: jax.Array
@@ -56,29 +61,37 @@ class QuantizedKVCache:
                 self.scales[layer, 1])
 
 
-def code_values(dtype) -> np.ndarray:
-    """f32[256]: the value of each byte as a code of `dtype` (int8 or float8_e4m3fn), NaN
-    codes as 0 (never written)."""
-    values = np.arange(256, dtype=np.uint8).view(np.dtype(dtype)).astype(np.float32)
+def code_values(storage_dtype) -> np.ndarray:
+    """f32[256]: the value of each byte as a code stored as `storage_dtype` (int8, or uint8
+    for float8_e4m3fn bit patterns); NaN codes (never written) as 0."""
+    as_code = jnp.int8 if jnp.dtype(storage_dtype) == jnp.int8 else jnp.float8_e4m3fn
+    values = np.arange(256, dtype=np.uint8).view(np.dtype(as_code)).astype(np.float32)
     return np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def quantize_kv(x: jax.Array, code_dtype) -> tuple[jax.Array, jax.Array]:
-    """x f[..., H] -> (codes [..., H] of `code_dtype`, f32[...] scales), one scale per row:
-    `max |x| / qmax` (1 for a zero row), codes rounded to nearest."""
-    qmax = {jnp.dtype(d): m for d, m in KV_CODE_DTYPES.values()}[jnp.dtype(code_dtype)]
+def codes_to_float(codes: jax.Array) -> jax.Array:
+    """Stored codes (int8, or uint8 float8_e4m3fn bit patterns) as float32, before scaling."""
+    if codes.dtype == jnp.uint8:
+        codes = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    return codes.astype(jnp.float32)
+
+
+def quantize_kv(x: jax.Array, storage_dtype) -> tuple[jax.Array, jax.Array]:
+    """x f[..., H] -> (codes [..., H] stored as `storage_dtype`, f32[...] scales), one scale
+    per row: `max |x| / qmax` (1 for a zero row); int8 codes rounded to nearest."""
+    qmax = _QMAX[jnp.dtype(storage_dtype)]
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
     scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    y = x / scale[..., None]
-    codes = (jnp.clip(jnp.round(y), -qmax, qmax) if jnp.dtype(code_dtype) == jnp.int8
-             else jnp.clip(y, -qmax, qmax)).astype(code_dtype)
-    return codes, scale
+    y = jnp.clip(x / scale[..., None], -qmax, qmax)
+    if jnp.dtype(storage_dtype) == jnp.int8:
+        return jnp.round(y).astype(jnp.int8), scale
+    return jax.lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn), jnp.uint8), scale
 
 
 def dequantize_kv(codes: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
     """codes [..., H] times scales [...]: the K/V values in `dtype`."""
-    return (codes.astype(jnp.float32) * scales[..., None]).astype(dtype)
+    return (codes_to_float(codes) * scales[..., None]).astype(dtype)
 
 
 def paged_attention_xla_packed(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

@@ -1,0 +1,273 @@
+"""Quantized weights and KV cache: the int8 matmul against its float reference, each attention
+backend over an 8-bit pool against the float reference, engines with int8 weights or an 8-bit
+pool against a float engine, and GGUF files (Q8_0, Q4_K) served directly."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged import SamplingParams
+from jaxpaged.pallas_kernels import cpu_attention
+from jaxpaged.pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from jaxpaged.pallas_kernels.quantized_matmul import (int8_matmul, int8_matmul_reference,
+                                                      quantize_int8)
+from jaxpaged.pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                            ragged_paged_attention_reference)
+from jaxpaged.pallas_kernels.reference import (KV_CODE_DTYPES, dequantize_kv,
+                                              paged_attention_xla_packed, quantize_kv)
+
+needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler")
+
+
+# -- int8 matmul -------------------------------------------------------------------------------
+
+def test_quantize_int8_error_is_at_most_half_a_step():
+    w = jax.random.normal(jax.random.key(0), (37, 70)) * jnp.arange(1, 38)[:, None]
+    q, scale = quantize_int8(w)
+    assert q.dtype == jnp.int8 and scale.shape == (37,)
+    err = jnp.abs(q.astype(jnp.float32) * scale[:, None] - w)
+    assert bool(jnp.all(err <= scale[:, None] / 2 + 1e-6))
+    assert int(jnp.max(jnp.abs(q))) == 127  # each row's largest weight uses the full range
+
+
+@needs_kernel
+@pytest.mark.parametrize("M, N, K", [(1, 200, 576), (3, 37, 29), (4, 64, 16), (7, 130, 100),
+                                     (33, 72, 1536)])
+def test_int8_matmul_kernel_equals_dequantized_reference(M, N, K):
+    kx, kw = jax.random.split(jax.random.key(M * N + K))
+    x = jax.random.normal(kx, (M, K))
+    q, scale = quantize_int8(jax.random.normal(kw, (N, K)))
+    got = int8_matmul(x, q, scale, use_kernel=True)
+    want = x @ (q.astype(jnp.float32) * scale[:, None]).T  # the dequantized float matmul
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    np.testing.assert_allclose(got, int8_matmul_reference(x, q, scale), rtol=1e-5,
+                               atol=1e-5 * np.sqrt(K))
+
+
+def test_int8_matmul_names_bad_shapes():
+    with pytest.raises(ValueError, match=r"w int8\[4, 3\]"):
+        int8_matmul(jnp.ones((2, 5)), jnp.ones((4, 3), jnp.int8), jnp.ones((4,)))
+
+
+# -- attention over an 8-bit pool --------------------------------------------------------------
+
+def _pool(key, K=2, P=12, S=16, H=64):
+    kk, kv = jax.random.split(key)
+    return jax.random.normal(kk, (K, P, S, H)), jax.random.normal(kv, (K, P, S, H))
+
+
+def _quantized(pages, kind):
+    codes, scales = quantize_kv(pages, KV_CODE_DTYPES[kind][0])
+    return codes, scales, dequantize_kv(codes, scales)
+
+
+# Relative error of an 8-bit value against float: int8 half a step of max|x| / 127 per element;
+# float8_e4m3fn's 3 mantissa bits, about 6%. Attention outputs average many values.
+QUANT_TOL = {"int8": 0.02, "fp8": 0.1}
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("backend", ["xla", "cpu", "pallas-decode", "pallas-ragged"])
+def test_attention_backends_read_the_8bit_pool(kind, backend):
+    """Each backend over the 8-bit pool equals its float reference over the decoded pool (up to
+    float rounding), and the float pool's result within the quantization error."""
+    if backend == "cpu" and not cpu_attention.available():
+        pytest.skip("no C++ compiler")
+    k_pages, v_pages = _pool(jax.random.key(1))
+    K, P, S, H = k_pages.shape
+    N = 4
+    kc, ks, k_deq = _quantized(k_pages, kind)
+    vc, vs, v_deq = _quantized(v_pages, kind)
+    block_tables = jnp.array([[3, 7, 1, 0], [5, 2, 9, 11]], jnp.int32)
+    seq_lens = jnp.array([45, 60], jnp.int32)
+    scale = H ** -0.5
+    if backend == "pallas-decode":
+        q = jax.random.normal(jax.random.key(2), (2, N, H))
+        run = functools.partial(paged_attention, q, block_tables=block_tables,
+                                context_lens=seq_lens, scale=scale, interpret=True)
+        got = run(kc, vc, k_scales=ks, v_scales=vs)
+        ref = lambda kp, vp: paged_attention_reference(q, kp, vp, block_tables, seq_lens,
+                                                       scale=scale)
+    else:
+        q_lens = (3, 1)  # a prompt chunk and a decode
+        cu = jnp.array([0, 3, 4], jnp.int32)
+        q = jax.random.normal(jax.random.key(2), (5, N, H))  # one padding token
+        if backend == "pallas-ragged":
+            got = ragged_paged_attention(q, kc, vc, block_tables, seq_lens, cu, 2, scale=scale,
+                                         interpret=True, k_scales=ks, v_scales=vs)[:4]
+        elif backend == "xla":
+            got = paged_attention_xla_packed(q, kc, vc, block_tables, seq_lens, cu, scale=scale,
+                                             k_scales=ks, v_scales=vs)[:4]
+        else:  # the C++ kernel: cached blocks in a flat list, new tokens as arguments
+            got = _cpu_attention(q, kc, vc, ks, vs, k_deq, v_deq, block_tables, seq_lens,
+                                 q_lens, kind, scale)
+        ref = lambda kp, vp: ragged_paged_attention_reference(
+            q, kp, vp, block_tables, seq_lens, cu, 2, scale=scale)[:4]
+    np.testing.assert_allclose(got, ref(k_deq, v_deq), rtol=2e-5, atol=2e-5)
+    exact = ref(k_pages, v_pages)
+    err = float(jnp.max(jnp.abs(got - exact)) / jnp.max(jnp.abs(exact)))
+    assert 0 < err < QUANT_TOL[kind], err
+
+
+def _cpu_attention(q, kc, vc, ks, vs, k_deq, v_deq, block_tables, seq_lens, q_lens, kind,
+                   scale):
+    """The C++ kernel on the 8-bit pool [1, 2, K, P, S, H]; the new tokens' K/V are the
+    decoded pool's (the float values that would have been written)."""
+    from jaxpaged.pallas_kernels.reference import QuantizedKVCache
+
+    K, P, S, H = kc.shape
+    blocks, rows, lens, k_new, v_new = [], [], [], [], []
+    for b, (n_new, n) in enumerate(zip(q_lens, np.asarray(seq_lens))):
+        c = int(n) - n_new
+        for j in range(-(-c // S)):
+            blocks.append(int(block_tables[b, j]))
+            rows.append(b)
+            lens.append(min(S, c - j * S))
+        pos = np.arange(c, int(n))
+        table = np.asarray(block_tables[b])
+        k_new.append(k_deq[:, table[pos // S], pos % S].transpose(1, 0, 2))
+        v_new.append(v_deq[:, table[pos // S], pos % S].transpose(1, 0, 2))
+    k_new = jnp.concatenate(k_new + [jnp.zeros((1, K, H))])
+    v_new = jnp.concatenate(v_new + [jnp.zeros((1, K, H))])
+    cache = QuantizedKVCache(jnp.stack([kc, vc])[None], jnp.stack([ks, vs])[None])
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    out, _ = cpu_attention.paged_attention_cpu(
+        q, k_new, v_new, cache, 0, i32([0, q_lens[0], sum(q_lens)]), i32(q_lens), i32(blocks),
+        i32(rows), i32(lens), scale=scale)
+    return out[:4]
+
+
+def test_8bit_pallas_kernels_lower_for_cuda():
+    from jax import export
+
+    K, P, S, H, B, M, T, N = 3, 64, 16, 64, 8, 16, 64, 9
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    for storage in (jnp.int8, jnp.uint8):
+        pages = jax.ShapeDtypeStruct((K, P, S, H), storage)
+        for kernel, args in [
+                (functools.partial(paged_attention, scale=0.125),
+                 (f32(B, N, H), pages, pages, i32(B, M), i32(B), f32(K, P, S), f32(K, P, S))),
+                (functools.partial(ragged_paged_attention, scale=0.125),
+                 (f32(T, N, H), pages, pages, i32(B, M), i32(B), i32(B + 1), i32(),
+                  f32(K, P, S), f32(K, P, S)))]:
+            n = len(args) - 2
+            fn = lambda *a, kernel=kernel, n=n: kernel(*a[:n], k_scales=a[n], v_scales=a[n + 1])
+            exported = export.export(
+                jax.jit(fn), platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call(
+                    "__gpu$xla.gpu.triton")])(*args)
+            assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+# -- engines -----------------------------------------------------------------------------------
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4,"]
+
+
+def _confident_prefix(output, margin: float) -> int:
+    """Tokens of a float engine's greedy output before the first whose top-2 logprob margin is
+    under `margin` (there a quantized model may fairly pick the other token)."""
+    for i, entry in enumerate(output.logprobs):
+        top = sorted((lp.logprob for lp in entry.values()), reverse=True)
+        if len(top) < 2 or top[0] - top[1] < margin:
+            return i
+    return len(output.token_ids)
+
+
+@pytest.fixture(scope="module")
+def float_outputs(tiny_model_dir):
+    from jaxpaged import LLM
+
+    llm = LLM(tiny_model_dir, max_model_len=256, num_kv_blocks=64, precompile=False,
+              compilation_cache_dir=None)
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+                       use_tqdm=False)
+    return [o.outputs[0] for o in out]
+
+
+@pytest.mark.parametrize("options", [dict(quantization="int8"), dict(kv_cache_dtype="int8"),
+                                     dict(kv_cache_dtype="fp8"),
+                                     dict(kv_cache_dtype="int8", attention_backend="xla")],
+                         ids=["w-int8", "kv-int8", "kv-fp8", "kv-int8-xla"])
+def test_quantized_engine_greedy_ids_match_float_where_margins_are_large(
+        make_llm, tiny_model_dir, float_outputs, options):
+    llm = make_llm(tiny_model_dir, max_num_seqs=4, compilation_cache_dir=None, **options)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert first == again  # deterministic run to run
+    checked = 0
+    for ref, ids in zip(float_outputs, first):
+        n = _confident_prefix(ref, margin=0.1)
+        assert list(ids[:n]) == list(ref.token_ids[:n]), (options, ids, ref.token_ids)
+        checked += n
+    assert checked >= 6, "the float model's margins left too few tokens to compare"
+    stats = llm.stats()
+    if "quantization" in options:
+        assert stats["weight_bytes"] < 0.3 * _float_bytes(tiny_model_dir)
+    else:  # L * 2 * K * (H one-byte codes + a float32 scale), float32's being L * 2 * K * H * 4
+        assert stats["kv_cache_bytes_per_token"] == 2 * 2 * 2 * (16 + 4)
+
+
+def _float_bytes(model_dir) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(path, "numpy") as f:
+            total += sum(int(np.prod(f.get_slice(k).get_shape())) * 4 for k in f.keys())
+    return total
+
+
+def test_bad_quantization_options_are_named(tiny_model_dir):
+    from jaxpaged import LLM
+
+    with pytest.raises(ValueError, match="'int3'"):
+        LLM(tiny_model_dir, quantization="int3", precompile=False)
+    with pytest.raises(ValueError, match="'int4'"):
+        LLM(tiny_model_dir, kv_cache_dtype="int4", precompile=False)
+
+
+# -- GGUF served directly ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_gguf_file_runs_directly(make_llm, tmp_path, monkeypatch, qtype):
+    """A GGUF whose linear layers are all Q8_0 (or Q4_K) serves from the file (int8 weights,
+    no safetensors written) with the greedy ids of an engine on its imported float32 folder
+    where margins are large."""
+    import torch
+    from gguf import GGMLQuantizationType as Q
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from jaxpaged.gguf_import import import_gguf
+    from test_gguf_import import CASES, SHAPE, write_gguf
+
+    monkeypatch.setenv("JAXPAGED_HOME", str(tmp_path / "home"))
+    model_type, fields, tokenizer, _ = CASES["llama"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        model_type, **{**SHAPE, **fields, "intermediate_size": 256, "hidden_size": 256}))
+    quant = {name: getattr(Q, qtype) for name, p in model.state_dict().items()
+             if p.ndim == 2 and "embed" not in name}
+    path = tmp_path / "model.gguf"
+    write_gguf(path, "llama", model, tokenizer=tokenizer, quant=quant)
+    imported = tmp_path / "imported"
+    import_gguf(path, imported, progress=False)
+
+    direct = make_llm(str(path), compilation_cache_dir=None)
+    assert direct.llm_engine.quantization == "int8"
+    assert not list((tmp_path / "home").rglob("*.safetensors"))
+    floats = make_llm(imported, compilation_cache_dir=None)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    ref = [o.outputs[0] for o in floats.generate(["ab", "hello"], params, use_tqdm=False)]
+    got = [o.outputs[0] for o in direct.generate(["ab", "hello"], params, use_tqdm=False)]
+    for r, g in zip(ref, got):
+        n = _confident_prefix(r, margin=0.1)
+        assert list(g.token_ids[:n]) == list(r.token_ids[:n])
+    assert direct.stats()["weight_bytes"] < 0.3 * floats.stats()["weight_bytes"]
