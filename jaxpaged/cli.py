@@ -12,8 +12,16 @@ import sys
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="local Hugging Face folder; default: embedded SmolLM2-135M-Instruct")
+                   help="local Hugging Face folder or GGUF file (served from the file, int8); "
+                   "default: embedded SmolLM2-135M-Instruct")
     g.add_argument("--dtype", default="auto", help="auto (f32 on CPU, bf16 on GPU), float32, ...")
+    g.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "int8"],
+                   help="weight-only int8 for the linear layers and embedding (auto: int8 for "
+                   "a GGUF file, else none)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"],
+                   help="the KV pool's dtype; int8 and fp8 (e4m3) keep one scale per token and "
+                   "head, about a quarter of float32's bytes")
     g.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -240,7 +248,9 @@ def _engine_options(args: argparse.Namespace, one_shot: int = 0,
     precompile = args.precompile
     if precompile is None and one_shot:
         precompile = [one_shot] if args.max_tokens != 1 else False
-    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    return dict(model=args.model, dtype=args.dtype,
+                quantization=None if args.quantization == "none" else args.quantization,
+                kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -319,20 +329,16 @@ def _one_shot_pool(args: argparse.Namespace, num_seqs: int) -> int | None:
     fill, within the 2 GiB default (a smaller pool starts faster: its memory is zeroed)."""
     if args.num_kv_blocks is not None or args.kv_cache_memory_bytes is not None:
         return None
-    import math
-
-    import jax.numpy as jnp
-
-    from jaxpaged.llm_engine import resolve_dtype
-    from jaxpaged.model_runner import kv_cache_shape
+    from jaxpaged.llm_engine import resolve_dtype, resolve_kv_cache_dtype
+    from jaxpaged.model_runner import kv_cache_bytes_per_token
     from jaxpaged.model_store import resolve_model
     from jaxpaged.models import load_config
 
     config = load_config(resolve_model(args.model))
     max_model_len = args.max_model_len or config.max_position_embeddings
     tokens = num_seqs * (-(-max_model_len // args.block_size) * args.block_size)
-    per_token = (math.prod(kv_cache_shape(config, 1, 1))
-                 * jnp.dtype(resolve_dtype(args.dtype)).itemsize)
+    per_token = kv_cache_bytes_per_token(
+        config, resolve_kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype)))
     return min(2 << 30, tokens * per_token)
 
 

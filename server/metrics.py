@@ -41,6 +41,11 @@ class _EngineCollector:
         yield self._family(gauge, "num_kv_blocks_free", "Free KV blocks.", s["num_free_blocks"])
         yield self._family(gauge, "num_kv_blocks_total", "KV blocks in the pool.",
                            s["num_total_blocks"])
+        yield self._family(gauge, "weight_bytes", "Bytes of the model's parameters.",
+                           s["weight_bytes"])
+        yield self._family(gauge, "kv_cache_bytes_per_token",
+                           "KV pool bytes per token, all layers (8-bit pools: codes and scales).",
+                           s["kv_cache_bytes_per_token"])
         yield self._family(counter, "prompt_tokens", "Prompt tokens computed by prefills.",
                            s["num_prompt_tokens"])
         yield self._family(counter, "generation_tokens", "Tokens generated.",

@@ -354,6 +354,15 @@ def test_models_version_health_metrics(server, client):
                  "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
                  "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket"]:
         assert f"jaxpaged:{name}" in text, name
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {f.name: f.samples[0].value for f in text_string_to_metric_families(text)}
+    # the tiny model's float32 parameters: embedding and LM head V * D, per layer q/k/v, o,
+    # gate/up, down and two norms, the final norm; its pool's bytes per token L * 2 * K * H * 4
+    V, D, F, N, K, H, L = 49152, 64, 128, 4, 2, 16, 2
+    per_layer = D * (N + 2 * K) * H + N * H * D + D * 2 * F + F * D + 2 * D
+    assert values["jaxpaged:weight_bytes"] == 4 * (2 * V * D + L * per_layer + D)
+    assert values["jaxpaged:kv_cache_bytes_per_token"] == L * 2 * K * H * 4
     assert server.stats()["generation_tokens"] >= 3
 
 
