@@ -100,7 +100,9 @@ def build_llm(requests, args, enable_prefix_caching: bool = True):
     llm = LLM(args.model, max_model_len=max(max_len, args.max_model_len),
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=enable_prefix_caching,
               precompile=args.warmup == "precompile", batch_invariant=args.batch_invariant,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend,
+              quantization=None if args.quantization == "none" else args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     _built_llms.append(llm)
     return llm, time.perf_counter() - start
 
@@ -391,6 +393,9 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-invariant", action="store_true",
                    help="jaxpaged in batch-invariant mode (`LLM(batch_invariant=True)`)")
     p.add_argument("--attention-backend", default="auto", help="jaxpaged's attention backend")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"],
+                   help="jaxpaged's weight quantization")
+    p.add_argument("--kv-cache-dtype", default="auto", help="jaxpaged's KV pool dtype")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON report; default bench/results/throughput-<dataset>.json")
     args = p.parse_args(argv)
