@@ -40,8 +40,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.pallas_kernels.paged_attention import paged_attention
 from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from jaxpaged.pallas_kernels.reference import (PAD_SLOT_ID, QuantizedKVCache,
-                                              paged_attention_xla_packed, write_kv)
+from jaxpaged.pallas_kernels.reference import (PAD_SLOT_ID, QuantizedKVCache, dequantize_kv,
+                                              paged_attention_xla_packed, quantize_kv, write_kv)
 
 ATTENTION_BACKENDS = ("auto", "cpu", "pallas", "pallas-interpret", "xla")
 
@@ -305,8 +305,17 @@ class CpuBackend(AttentionBackend):
     def _attention(self, q, k, v, kv_cache, layer, md, spec):
         if self._xla is not None:
             return self._xla._attention(q, k, v, kv_cache, layer, md, spec)
+        k_att, v_att = k, v
+        if isinstance(kv_cache, QuantizedKVCache):
+            # The step's own tokens are attended to as the pool will hold them (8-bit), as
+            # the backends that write before reading see them: then a token's output does not
+            # depend on whether an earlier token came in this step or a previous one (chunking,
+            # prefix hits, batch invariance).
+            k_att, v_att = (dequantize_kv(*quantize_kv(x, kv_cache.dtype), x.dtype)
+                            for x in (k, v))
         out, kv_cache = cpu_attention.paged_attention_cpu(
-            q, k, v, kv_cache, layer, md.query_start_loc, md.query_lens, md.context_blocks,
+            q, k_att, v_att, kv_cache, layer, md.query_start_loc, md.query_lens,
+            md.context_blocks,
             md.context_rows, md.context_lens, scale=spec.scale,
             sliding_window=spec.sliding_window, soft_cap=spec.soft_cap,
             invariant=self.invariant)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jaxpaged.pallas_kernels.reference import QuantizedKVCache, code_values
+from jaxpaged.pallas_kernels.reference import QuantizedKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +186,8 @@ def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cac
                                 jax.ShapeDtypeStruct(kv_cache.scales.shape, jnp.float32)),
             input_output_aliases={3: 1, 4: 2})
         out, codes, scales = call(f32(q), f32(k_new), f32(v_new), kv_cache.codes,
-                                  kv_cache.scales, jnp.asarray(code_values(kv_cache.dtype)),
-                                  *index, **attrs)
+                                  kv_cache.scales, *index, **attrs,
+                                  fp8=np.int32(kv_cache.dtype == jnp.uint8))
         return out, QuantizedKVCache(codes, scales)
     call = jax.ffi.ffi_call(_TARGET, (out, jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
                             input_output_aliases={3: 1})

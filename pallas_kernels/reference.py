@@ -23,7 +23,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 PAD_SLOT_ID = -1  # slot_mapping value of a padding token: its K/V is not written
 _MASK_VALUE = -1e30  # finite, so fully masked (padding) rows give finite output instead of NaN
@@ -59,14 +58,6 @@ class QuantizedKVCache:
         """(k_codes, v_codes, k_scales, v_scales) of one layer: [K, P, S, H] and [K, P, S]."""
         return (self.codes[layer, 0], self.codes[layer, 1], self.scales[layer, 0],
                 self.scales[layer, 1])
-
-
-def code_values(storage_dtype) -> np.ndarray:
-    """f32[256]: the value of each byte as a code stored as `storage_dtype` (int8, or uint8
-    for float8_e4m3fn bit patterns); NaN codes (never written) as 0."""
-    as_code = jnp.int8 if jnp.dtype(storage_dtype) == jnp.int8 else jnp.float8_e4m3fn
-    values = np.arange(256, dtype=np.uint8).view(np.dtype(as_code)).astype(np.float32)
-    return np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def codes_to_float(codes: jax.Array) -> jax.Array:

@@ -52,6 +52,22 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def head64_model_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny Llama with 64-feature heads: the C++ kernel's compiled head size, as SmolLM2's
+    (the tiny model's 16 take its generic path)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama-h64")
+    config = LlamaConfig(**{**TINY_CONFIG, "hidden_size": 128, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "head_dim": 64})
+    LlamaForCausalLM(config).save_pretrained(path)
+    copy_tokenizer(tiny_model_dir, path)
+    return path
+
+
 _built = []
 
 

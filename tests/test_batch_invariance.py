@@ -24,24 +24,6 @@ def results(llm, rows=range(16)):
                  for entry in o.outputs[0].logprobs]) for i, o in zip(rows, outs)}
 
 
-@pytest.fixture(scope="module")
-def head64_model_dir(tmp_path_factory, tiny_model_dir):
-    """The tiny Llama with 64-feature heads: the C++ kernel's compiled head size, as SmolLM2's
-    (the tiny model's 16 take its generic path)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from conftest import TINY_CONFIG, copy_tokenizer
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama-h64")
-    config = LlamaConfig(**{**TINY_CONFIG, "hidden_size": 128, "num_attention_heads": 4,
-                            "num_key_value_heads": 2, "head_dim": 64})
-    LlamaForCausalLM(config).save_pretrained(path)
-    copy_tokenizer(tiny_model_dir, path)
-    return path
-
-
 @pytest.fixture(scope="module", params=["cpu", "xla"])
 def alone(request, tiny_model_dir, head64_model_dir):
     """(backend, model, each request's results run alone): the C++ kernel on 64-feature heads,

@@ -271,3 +271,30 @@ def test_gguf_file_runs_directly(make_llm, tmp_path, monkeypatch, qtype):
         n = _confident_prefix(r, margin=0.1)
         assert list(g.token_ids[:n]) == list(r.token_ids[:n])
     assert direct.stats()["weight_bytes"] < 0.3 * floats.stats()["weight_bytes"]
+
+
+@needs_kernel
+def test_8bit_pool_keeps_batch_invariance(make_llm, head64_model_dir):
+    """With an 8-bit pool the C++ kernel attends to a step's own tokens as the pool holds them,
+    so batch-invariant results stay bitwise the same alone, together and chunked (the tiny
+    Llama with 64-feature heads, as `test_batch_invariance` runs the kernel)."""
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(100, 20000, n).tolist()} for n in (9, 40, 23)]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+
+    def run(llm, rows):
+        outs = llm.generate([prompts[i] for i in rows], params, use_tqdm=False)
+        return {i: (o.outputs[0].token_ids,
+                    [sorted((t, lp.logprob) for t, lp in e.items()) for e in o.outputs[0].logprobs])
+                for i, o in zip(rows, outs)}
+
+    kw = dict(batch_invariant=True, kv_cache_dtype="int8", attention_backend="cpu",
+              enable_prefix_caching=False, compilation_cache_dir=None)
+    llm = make_llm(head64_model_dir, **kw)
+    alone = {}
+    for i in range(3):
+        alone.update(run(llm, [i]))
+    assert run(llm, [0, 1, 2]) == alone
+    chunked = make_llm(head64_model_dir, max_num_batched_tokens=16,
+                       long_prefill_token_threshold=8, **kw)
+    assert run(chunked, [0, 1, 2]) == alone

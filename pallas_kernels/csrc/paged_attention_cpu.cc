@@ -61,6 +61,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -87,13 +88,14 @@ struct Args {
   const float* v_new;
   const float* k_pages;  // this layer's keys:   [K, P, S, H] (a float32 pool)
   const float* v_pages;  // this layer's values: [K, P, S, H]
-  // An 8-bit pool (PagedAttentionQuantized): this layer's codes [K, P, S, H], one byte each,
-  // their scales [K, P, S] (one per token and head), and each code's value before scaling.
+  // An 8-bit pool (PagedAttentionQuantized): this layer's codes [K, P, S, H], one byte each
+  // (int8, or float8_e4m3fn bit patterns with `fp8`), and their scales [K, P, S] (one per
+  // token and head).
   const uint8_t* k_codes = nullptr;
   const uint8_t* v_codes = nullptr;
   const float* k_scales = nullptr;
   const float* v_scales = nullptr;
-  const float* code_values = nullptr;  // [256]
+  bool fp8 = false;
   const int32_t* query_start_loc;
   const int32_t* query_lens;
   const int32_t* blocks;
@@ -349,7 +351,11 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
     for (const int64_t lo = c + task.i0 - W + 1; e_first < e1 && pos + len_of(e_first) <= lo;)
       pos += len_of(e_first++);
   // Block e's keys (or values) as float32 rows, H apart: in place in a float32 pool; from an
-  // 8-bit pool, decoded (code value times the row's scale) into `buf`.
+  // 8-bit pool, decoded (code value times the row's scale) into `buf`. A float8_e4m3fn code
+  // (sign, 4 exponent bits biased by 7, 3 mantissa bits) becomes a float32 by moving its
+  // exponent and mantissa bits up to float32's places, which leaves the exponent biased by 7
+  // instead of 127: times 2^120 it is the value, subnormal codes included.
+  const bool quantized = a.k_codes != nullptr;
   thread_local std::vector<float> kdec, vdec;
   const int64_t block_elems = d.S * H;
   auto decode = [&](int64_t e, bool values, int64_t row0, int64_t n, float* buf) {
@@ -358,13 +364,26 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
     const float* scales = (values ? a.v_scales : a.k_scales) + base + row0;
     for (int64_t t = 0; t < n; ++t) {
       const float sc = scales[t];
+      const uint8_t* c = codes + t * H;
+      float* o = buf + t * H;
+      if (a.fp8) {
 #pragma omp simd
-      for (int64_t h = 0; h < H; ++h) buf[t * H + h] = a.code_values[codes[t * H + h]] * sc;
+        for (int64_t h = 0; h < H; ++h) {
+          const uint32_t b = c[h];
+          const uint32_t bits = ((b & 0x80u) << 24) | ((b & 0x7Fu) << 20);
+          float f;
+          std::memcpy(&f, &bits, sizeof f);
+          o[h] = f * 0x1p120f * sc;
+        }
+      } else {
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) o[h] = static_cast<float>(static_cast<int8_t>(c[h])) * sc;
+      }
     }
     return buf;
   };
   auto block_of = [&](int64_t e, bool values) -> const float* {
-    if (a.code_values == nullptr)
+    if (!quantized)
       return (values ? a.v_pages : a.k_pages) + (k * d.P + a.blocks[e]) * block_elems;
     std::vector<float>& buf = values ? vdec : kdec;
     buf.resize(block_elems);
@@ -373,7 +392,7 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
   auto prefetch = [&](int64_t e) {
     if (e >= e1) return;
     const int64_t offset = (k * d.P + a.blocks[e]) * block_elems;
-    const bool q = a.code_values != nullptr;
+    const bool q = quantized;
     const int64_t bytes = len_of(e) * H * (q ? 1 : sizeof(float));
     const char* kb = q ? reinterpret_cast<const char*>(a.k_codes + offset)
                        : reinterpret_cast<const char*>(a.k_pages + offset);
@@ -403,7 +422,7 @@ void RunTask(const Args& a, const Task& task, std::vector<float>& scratch,
         const float *kp, *vp;
         if (p < c) {
           while (e_pos + len_of(e) <= p) e_pos += len_of(e++);
-          if (a.code_values != nullptr) {  // decoded straight into the tile
+          if (quantized) {  // decoded straight into the tile
             decode(e, false, p - e_pos, 1, kbuf.data() + t * H);
             decode(e, true, p - e_pos, 1, vbuf.data() + t * H);
             continue;
@@ -580,26 +599,27 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                 context_rows, context_lens, scale, sliding_window, soft_cap, invariant, out, a);
 }
 
-// The same over an 8-bit pool: codes (int8 or float8_e4m3fn, as bytes) [L, 2, K, P, S, H]
-// and scales f32[L, 2, K, P, S]; code_values f32[256] the value of each byte before scaling.
+// The same over an 8-bit pool: codes [L, 2, K, P, S, H] (int8, or with `fp8` the bit
+// patterns of float8_e4m3fn codes as uint8) and scales f32[L, 2, K, P, S].
 ffi::Error PagedAttentionQuantizedImpl(
     ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
     ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer codes, ffi::Buffer<ffi::F32> scales,
-    ffi::Buffer<ffi::F32> code_values, ffi::Buffer<ffi::S32> layer,
+    ffi::Buffer<ffi::S32> layer,
     ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> query_lens,
     ffi::Buffer<ffi::S32> context_blocks, ffi::Buffer<ffi::S32> context_rows,
     ffi::Buffer<ffi::S32> context_lens, float scale, int32_t sliding_window, float soft_cap,
-    int32_t invariant, ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> codes_out,
+    int32_t invariant, int32_t fp8, ffi::ResultBuffer<ffi::F32> out,
+    ffi::Result<ffi::AnyBuffer> codes_out,
     ffi::ResultBuffer<ffi::F32> scales_out) {
   PassThrough(codes.untyped_data(), codes_out->untyped_data(), codes.size_bytes());
   PassThrough(scales.untyped_data(), scales_out->untyped_data(), scales.size_bytes());
   auto cd = codes.dimensions();
   auto sd = scales.dimensions();
-  if (ffi::ByteWidth(codes.element_type()) != 1 || code_values.element_count() != 256 ||
-      cd.size() != 6 || sd.size() != 5 || !std::equal(sd.begin(), sd.end(), cd.begin()))
+  if (ffi::ByteWidth(codes.element_type()) != 1 || cd.size() != 6 || sd.size() != 5 ||
+      !std::equal(sd.begin(), sd.end(), cd.begin()))
     return ffi::Error::InvalidArgument(
-        "paged_attention_cpu: an 8-bit pool must be codes [L, 2, K, P, S, H] of one byte, "
-        "scales f32[L, 2, K, P, S] and code_values f32[256]");
+        "paged_attention_cpu: an 8-bit pool must be codes [L, 2, K, P, S, H] of one byte and "
+        "scales f32[L, 2, K, P, S]");
   const int64_t l_idx = layer.typed_data()[0];
   Args a{};
   if (l_idx >= 0 && l_idx < cd[0]) {
@@ -608,7 +628,7 @@ ffi::Error PagedAttentionQuantizedImpl(
     a.v_codes = a.k_codes + layer_tokens / 2 * cd[5];
     a.k_scales = scales.typed_data() + l_idx * layer_tokens;
     a.v_scales = a.k_scales + layer_tokens / 2;
-    a.code_values = code_values.typed_data();
+    a.fp8 = fp8 != 0;
   }
   return Attend(pool, q, k_new, v_new, cd, l_idx, query_start_loc, query_lens, context_blocks,
                 context_rows, context_lens, scale, sliding_window, soft_cap, invariant, out, a);
@@ -645,7 +665,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttentionQuantized, PagedAttentionQua
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_new
                                   .Arg<ffi::AnyBuffer>()         // codes
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // code_values
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_lens
@@ -656,6 +675,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttentionQuantized, PagedAttentionQua
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("invariant")
+                                  .Attr<int32_t>("fp8")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Ret<ffi::AnyBuffer>()         // codes, aliased
                                   .Ret<ffi::Buffer<ffi::F32>>()  // scales, aliased
