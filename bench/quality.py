@@ -11,8 +11,8 @@ int8) when the model is an embedded one.
 Quality, each mode against float32 on the same tokens:
 - KL divergence per token, teacher forced: 64 ShareGPT conversations (prompt then the
   recorded answer, at most `--max-len` tokens) through the paged engine with
-  `prompt_logprobs=20`, chunked at `--chunk` tokens so that most keys are read back from the
-  (quantized) pool. KL(p_float || q) is summed over float32's 20 most likely tokens, each
+  `prompt_logprobs=20`, each in one step; with an 8-bit pool every key is attended to as the
+  pool holds it, the step's own included (`backends.CpuBackend`). KL(p_float || q) is summed over float32's 20 most likely tokens, each
   token's q read from the mode's top 20 (the mode's 20th log-probability where the token is
   not among them): a truncation of the full sum; `top20_mass` is the probability it covers.
 - perplexity of the same teacher-forced tokens;
@@ -59,9 +59,8 @@ MODES = {"float32": {}, "int8": dict(quantization="int8"),
 def engine_options(mode: str, model, args) -> dict:
     from jaxpaged.model_store import EMBEDDED_MODELS, DEFAULT_MODEL
 
-    options = dict(MODES[mode], max_model_len=args.max_len + 64,
-                   max_num_batched_tokens=args.chunk, long_prefill_token_threshold=args.chunk,
-                   max_num_seqs=16, precompile=False)
+    options = dict(MODES[mode], max_model_len=args.max_len + 160, max_num_seqs=16,
+                   precompile=False)
     if mode == "gguf":
         options["model"] = str(EMBEDDED_MODELS[model or DEFAULT_MODEL].find_gguf())
     else:
@@ -140,7 +139,7 @@ sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 from quality import engine_options
 from jaxpaged import LLM, SamplingParams
 import argparse
-args = argparse.Namespace(max_len=512, chunk=64)
+args = argparse.Namespace(max_len=512)
 llm = LLM(**engine_options({mode!r}, {model!r}, args), kv_cache_memory_bytes=64 << 20)
 llm.generate(["Hello"], SamplingParams(max_tokens=8), use_tqdm=False)
 rss = [l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]
@@ -157,7 +156,6 @@ def main(argv=None) -> dict:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-len", type=int, default=512, help="teacher-forced tokens per text")
-    p.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per step)")
     p.add_argument("--out", type=Path, default=RESULTS / "quality.json")
     args = p.parse_args(argv)
 
@@ -200,7 +198,7 @@ def main(argv=None) -> dict:
         r["tpot_batch1_vs_float32"] = r["tpot_batch1_s"] / base["tpot_batch1_s"]
         r["resident_vs_float32"] = r["resident_bytes"] / base["resident_bytes"]
     report = {"config": {"model": args.model or "default", "num_texts": len(texts),
-                         "max_len": args.max_len, "chunk": args.chunk,
+                         "max_len": args.max_len,
                          "num_teacher_forced_tokens": sum(len(t) - 1 for t in texts)},
               "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,17 @@
 // kernel and not jnp.
 //
 // w is [N, K], output rows by input features (the layout of Hugging Face's and GGUF's
-// weights), so each output is a dot product along contiguous memory. A micro-tile computes
-// kRows rows of x against kCols rows of w with kRows * kCols vector accumulators; a task is a
-// block of kColBlock output columns over every row of x, so that block's weights (kColBlock * K
-// bytes) stay in L2 while the rows go by. Tasks are shared with XLA's intra-op thread pool.
+// weights). A task is a block of kColBlock output columns over every row of x, so that block's
+// weights stay in L2 while the rows go by; tasks are shared with XLA's intra-op thread pool.
+// Two forms:
+// - GEMV (a decode's few rows of x): each output a dot product along K, the weights widened
+//   16 at a time straight from memory, the next tiles prefetched.
+// - GEMM (more rows): the task's block of weights is widened and scaled once into a float
+//   panel, row by row (contiguous, vectorized), and x is transposed once per call, so that a
+//   micro-tile broadcasts one weight at a time against 16 rows of x in a vector, keeping
+//   kGemmCols x kGemmRowVecs * 16 outputs in registers: the register-blocked GEMM of float32
+//   libraries with the roles of the two operands swapped, which spares transposing the
+//   weights.
 //
 // Inputs: x f32[M, K], w s8[N, K], scale f32[N]. Output: y f32[M, N].
 
@@ -37,8 +44,8 @@ namespace {
 
 constexpr int64_t kCols = 8;         // rows of w (output columns) per GEMV tile
 constexpr int64_t kColBlock = 64;    // output columns per task
-constexpr int64_t kDepth = 256;      // input features per packed panel (GEMM)
-constexpr int64_t kGemmRows = 6;     // rows of x per GEMM micro-tile
+constexpr int64_t kGemmCols = 6;     // output columns (rows of w) per GEMM micro-tile
+constexpr int64_t kGemmRowVecs = 4;  // vectors of 16 rows of x per GEMM micro-tile
 constexpr int64_t kGemvMaxRows = 3;  // up to this many rows of x: the GEMV form
 constexpr int64_t kPrefetchTiles = 2;  // GEMV tiles prefetched ahead
 
@@ -86,48 +93,39 @@ void GemvTile(const float* x, const int8_t* w, const float* scale, int64_t K, in
 #endif
 }
 
-// GEMM form: rows of x times a packed panel p[kc][kColBlock] (weights widened and scaled
-// once per task and depth block, transposed so that a step along k reads kColBlock outputs'
-// weights contiguously). y[0..MR, 0..nc) (+)= x[0..MR, 0..kc) . p, with the MR x kColBlock
-// accumulators in registers (MR * 4 vectors) and x[i, k] broadcast.
-template <int MR>
-void GemmTile(const float* x, int64_t ldx, const float* p, int64_t kc, float* y, int64_t ldy,
-              int64_t nc, bool first) {
+// GEMM form: y[m0 + r, j0 + c] = sum_k xt[k][m0 + r] * p[j0 + c][k] for r < 16 * MV (the rows
+// that exist: `rows`) and c < nc <= kGemmCols. xt: x transposed, [K][ldx] (ldx a multiple
+// of 16, zero past M); p: the task's float panel, [kColBlock][K]; y: [M][ldy].
+template <int MV>
+void GemmTile(const float* xt, int64_t ldx, const float* p, int64_t K, int64_t nc, float* y,
+              int64_t ldy, int64_t rows) {
+  const float* pr[kGemmCols];
+  for (int64_t c = 0; c < kGemmCols; ++c) pr[c] = p + std::min(c, nc - 1) * K;
 #ifdef JAXPAGED_AVX512
-  constexpr int V = kColBlock / 16;
-  __m512 acc[MR][V];
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < V; ++v) {
-      const __mmask16 mask = static_cast<__mmask16>(
-          nc >= 16 * (v + 1) ? 0xFFFF : nc <= 16 * v ? 0 : (1u << (nc - 16 * v)) - 1);
-      acc[i][v] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + i * ldy + 16 * v);
-    }
-  for (int64_t k = 0; k < kc; ++k) {
-    __m512 pv[V];
-    for (int v = 0; v < V; ++v) pv[v] = _mm512_loadu_ps(p + k * kColBlock + 16 * v);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
-      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(xv, pv[v], acc[i][v]);
+  __m512 acc[kGemmCols][MV];
+  for (int c = 0; c < kGemmCols; ++c)
+    for (int v = 0; v < MV; ++v) acc[c][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 xv[MV];
+    for (int v = 0; v < MV; ++v) xv[v] = _mm512_loadu_ps(xt + k * ldx + 16 * v);
+    for (int c = 0; c < kGemmCols; ++c) {
+      const __m512 wv = _mm512_set1_ps(pr[c][k]);
+      for (int v = 0; v < MV; ++v) acc[c][v] = _mm512_fmadd_ps(wv, xv[v], acc[c][v]);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < V; ++v) {
-      const __mmask16 mask = static_cast<__mmask16>(
-          nc >= 16 * (v + 1) ? 0xFFFF : nc <= 16 * v ? 0 : (1u << (nc - 16 * v)) - 1);
-      _mm512_mask_storeu_ps(y + i * ldy + 16 * v, mask, acc[i][v]);
+  alignas(64) float out[16];
+  for (int64_t c = 0; c < nc; ++c)
+    for (int v = 0; v < MV; ++v) {
+      _mm512_store_ps(out, acc[c][v]);
+      for (int64_t r = 0; r < 16 && 16 * v + r < rows; ++r) y[(16 * v + r) * ldy + c] = out[r];
     }
 #else
-  float acc[MR][kColBlock];
-  for (int i = 0; i < MR; ++i)
-    for (int64_t j = 0; j < kColBlock; ++j) acc[i][j] = first || j >= nc ? 0.f : y[i * ldy + j];
-  for (int64_t k = 0; k < kc; ++k)
-    for (int i = 0; i < MR; ++i) {
-      const float xv = x[i * ldx + k];
-#pragma omp simd
-      for (int64_t j = 0; j < kColBlock; ++j) acc[i][j] += xv * p[k * kColBlock + j];
+  for (int64_t c = 0; c < nc; ++c)
+    for (int64_t r = 0; r < rows; ++r) {
+      float a = 0.f;
+      for (int64_t k = 0; k < K; ++k) a += xt[k * ldx + r] * pr[c][k];
+      y[r * ldy + c] = a;
     }
-  for (int i = 0; i < MR; ++i)
-    for (int64_t j = 0; j < nc; ++j) y[i * ldy + j] = acc[i][j];
 #endif
 }
 
@@ -137,6 +135,9 @@ struct Work {
   const float* scale;
   float* y;
   int64_t M, N, K;
+  std::vector<float> xt_storage;  // GEMM: x transposed, [K][ldxt], zero past M
+  const float* xt = nullptr;
+  int64_t ldxt = 0;
   int64_t num_tasks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -154,23 +155,28 @@ struct Work {
         }
       return;
     }
-    panel.resize(kDepth * kColBlock);
-    for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
-      const int64_t kc = std::min(kDepth, K - k0);
-      for (int64_t j = 0; j < kColBlock; ++j) {  // pack: p[k][j] = w[n0 + j, k0 + k] * scale
-        if (j >= nc) {
-          for (int64_t k = 0; k < kc; ++k) panel[k * kColBlock + j] = 0.f;
-          continue;
+    panel.resize(nc * K);  // p[j][k] = w[n0 + j, k] * scale[n0 + j]
+    for (int64_t j = 0; j < nc; ++j) {
+      const int8_t* wj = w + (n0 + j) * K;
+      const float sj = scale[n0 + j];
+      float* pj = panel.data() + j * K;
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) pj[k] = static_cast<float>(wj[k]) * sj;
+    }
+    constexpr int64_t kRowsPerTile = 16 * kGemmRowVecs;
+    for (int64_t m = 0; m < M; m += kRowsPerTile) {
+      const int64_t rows = std::min(kRowsPerTile, M - m);
+      for (int64_t j = 0; j < nc; j += kGemmCols) {
+        const float* pj = panel.data() + j * K;
+        const int64_t c = std::min(kGemmCols, nc - j);
+        float* yj = y + m * N + n0 + j;
+        switch ((rows + 15) / 16) {
+          case 4: GemmTile<4>(xt + m, ldxt, pj, K, c, yj, N, rows); break;
+          case 3: GemmTile<3>(xt + m, ldxt, pj, K, c, yj, N, rows); break;
+          case 2: GemmTile<2>(xt + m, ldxt, pj, K, c, yj, N, rows); break;
+          default: GemmTile<1>(xt + m, ldxt, pj, K, c, yj, N, rows); break;
         }
-        const int8_t* wj = w + (n0 + j) * K + k0;
-        const float sj = scale[n0 + j];
-        for (int64_t k = 0; k < kc; ++k) panel[k * kColBlock + j] = wj[k] * sj;
       }
-      int64_t m = 0;
-      for (; m + kGemmRows <= M; m += kGemmRows)
-        GemmTile<kGemmRows>(x + m * K + k0, K, panel.data(), kc, y + m * N + n0, N, nc, k0 == 0);
-      for (; m < M; ++m)
-        GemmTile<1>(x + m * K + k0, K, panel.data(), kc, y + m * N + n0, N, nc, k0 == 0);
     }
   }
 
@@ -202,6 +208,18 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   work->K = wd[1];
   work->num_tasks = (work->N + kColBlock - 1) / kColBlock;
   if (work->M == 0 || work->num_tasks == 0) return ffi::Error::Success();
+  if (work->M > kGemvMaxRows) {
+    const int64_t M = work->M, K = work->K, ld = (M + 15) / 16 * 16;
+    work->xt_storage.assign(K * ld, 0.f);
+    const float* xs = work->x;
+    for (int64_t m0 = 0; m0 < M; m0 += 16)  // in 16 x 16 tiles, for the caches
+      for (int64_t k0 = 0; k0 < K; k0 += 16)
+        for (int64_t m = m0; m < std::min(M, m0 + 16); ++m)
+          for (int64_t k = k0; k < std::min(K, k0 + 16); ++k)
+            work->xt_storage[k * ld + m] = xs[m * K + k];
+    work->xt = work->xt_storage.data();
+    work->ldxt = ld;
+  }
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->num_tasks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
