@@ -211,16 +211,29 @@ class BlockManager:
                    self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens))
         return [i for i in range(first, last) if self.ref_counts[seq.block_table[i]] > 1]
 
+    def trim(self, seq: Sequence) -> None:
+        """Gives back the blocks past those that hold `seq.num_tokens` tokens (slots of rejected
+        speculative tokens, `jaxpaged.spec_decode`); the next step appends to the rest."""
+        keep = self.num_blocks_needed(seq.num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+
+    def _release(self, block_id: int) -> None:
+        """Drops one reference to `block_id`: unreferenced, it becomes free, or evictable if
+        cached."""
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if self.block_hashes[block_id] is None:
+                self.free_block_ids.append(block_id)
+            else:
+                self.evictable_block_ids[block_id] = None
+
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s reference to each of its blocks; unreferenced blocks become free, or
         evictable if cached (last block first, so a prefix outlives its tails)."""
         for block_id in reversed(seq.block_table):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                if self.block_hashes[block_id] is None:
-                    self.free_block_ids.append(block_id)
-                else:
-                    self.evictable_block_ids[block_id] = None
+            self._release(block_id)
         seq.block_table = []
         seq.num_registered_blocks = 0
 

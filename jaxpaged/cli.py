@@ -22,6 +22,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"],
                    help="the KV pool's dtype; int8 and fp8 (e4m3) keep one scale per token and "
                    "head, about a quarter of float32's bytes")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' or \'{"model": '
+                   'PATH, "num_speculative_tokens": 4}\' (a draft model)')
     g.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -251,6 +255,7 @@ def _engine_options(args: argparse.Namespace, one_shot: int = 0,
     return dict(model=args.model, dtype=args.dtype,
                 quantization=None if args.quantization == "none" else args.quantization,
                 kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+                speculative_config=args.speculative_config,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -78,7 +78,8 @@ class FaultIsolatingExecutor:
         sampled, prompt_lps, failed = [[] for _ in out.seqs], {}, {}
         for request_id, rows in rows_of.items():
             part = SchedulerOutput([out.seqs[r] for r in rows],
-                                   [out.num_scheduled_tokens[r] for r in rows], [])
+                                   [out.num_scheduled_tokens[r] for r in rows], [],
+                                   spec_token_ids=[out.spec_tokens(r) for r in rows])
             try:
                 part_sampled, part_lps = self.runner.execute(part)
             except Exception as e:

@@ -243,14 +243,22 @@ def gguf_source(model_dir: str | os.PathLike) -> Path | None:
     return Path(json.loads(path.read_text())["path"]) if path.is_file() else None
 
 
-def open_gguf_weights(gguf_path: str | os.PathLike) -> dict[str, GGUFTensor]:
-    """The file's tensors by HF name (`hf_tensor_readers`), for `models.loader.load_weights`."""
+def open_gguf_weights(gguf_path: str | os.PathLike, config=None) -> dict[str, GGUFTensor]:
+    """The file's tensors by HF name (`hf_tensor_readers`), for `models.loader.load_weights`.
+
+    `config`: the model's HF config (anything with `architectures`, `num_hidden_layers`,
+    `num_attention_heads` and `num_key_value_heads`: the `config.json` that
+    `write_gguf_metadata` wrote, as a namespace); None builds it from the file's metadata,
+    which imports transformers (and torch where it is installed).
+    """
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
     meta = read_metadata(reader)
     arch = check_architecture(meta)
-    return hf_tensor_readers(reader, arch, hf_config(meta, [t.name for t in reader.tensors]))
+    if config is None:
+        config = hf_config(meta, [t.name for t in reader.tensors])
+    return hf_tensor_readers(reader, arch, config)
 
 
 def _open(gguf_path):

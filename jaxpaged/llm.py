@@ -110,6 +110,12 @@ class LLM:
         "float32", "bfloat16", "float16", or the 8-bit pools "int8" and "fp8"
         (float8_e4m3fn), one float32 scale per token and head: about a quarter of float32's
         bytes per token, so `kv_cache_memory_bytes` holds about 3.8x the tokens.
+      speculative_config: speculative decoding (`jaxpaged.spec_decode`), vLLM's keys as a
+        dict (or its JSON text): `{"method": "ngram", "num_speculative_tokens": k,
+        "prompt_lookup_max": n, "prompt_lookup_min": m}` or `{"model": PATH,
+        "num_speculative_tokens": k}` (a draft model with the target's vocabulary), and
+        `disable_by_batch_size`. Outputs are the target's own draws (greedy ids equal to
+        decoding without it); acceptance is in each output's `metrics` and in `stats()`.
 
     Raises:
       ValueError: an unknown model or an out-of-range setting, naming it.
@@ -128,7 +134,7 @@ class LLM:
                  process_id: int = 0,
                  compilation_cache_dir: str | os.PathLike | None = "auto",
                  batch_invariant: bool = False, quantization: str | None = "auto",
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None):
         if coordinator_address is not None:
             init_distributed(coordinator_address, num_processes, process_id)
         elif num_processes != 1:
@@ -149,7 +155,8 @@ class LLM:
                                     compilation_cache_dir=compilation_cache_dir,
                                     batch_invariant=batch_invariant,
                                     quantization=resolve_quantization(quantization, model),
-                                    kv_cache_dtype=kv_cache_dtype)
+                                    kv_cache_dtype=kv_cache_dtype,
+                                    speculative_config=speculative_config)
         self._dense_forward = None  # jitted on first use
 
     def get_tokenizer(self):

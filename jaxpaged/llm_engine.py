@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -30,11 +31,14 @@ from jaxpaged.models import load_config, load_model
 from jaxpaged.models.quantization import QUANTIZATION_METHODS, quantize_model, weight_bytes
 from jaxpaged.pallas_kernels.reference import KV_CODE_DTYPES
 from jaxpaged.models.loader import flat_params, params_from_hf_weights
+from jaxpaged.model_store import resolve_model
 from jaxpaged.outputs import Logprob, RequestMetrics, RequestOutput
 from jaxpaged.parallel import make_mesh
 from jaxpaged.request import Request, new_stop_state
 from jaxpaged.pallas_kernels import make_attention_backend
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.spec_decode import (DraftModelProposer, NgramProposer, SpeculativeConfig,
+                                  num_proposals)
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Scoring, Sequence
 from jaxpaged.stop_strings import StopStringState
@@ -185,6 +189,19 @@ def _batch_invariant_backend(attention_backend: str) -> str:
     return attention_backend
 
 
+def _release_freed_memory() -> None:
+    """Hands memory freed by loading (float weights replaced by quantized ones, GGUF blocks
+    dequantized and dropped) back to the OS: glibc keeps freed heap pages resident until
+    `malloc_trim`. A no-op where the C library is not glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
 class LLMEngine:
     """Holds the tokenizer, scheduler, block manager and model runner of one model.
 
@@ -202,7 +219,8 @@ class LLMEngine:
                  tensor_parallel_size: int = 1,
                  compilation_cache_dir: str | os.PathLike | None = "auto",
                  batch_invariant: bool = False, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto",
+                 speculative_config: dict | str | SpeculativeConfig | None = None):
         if not (precompile is None or isinstance(precompile, bool) or (
                 isinstance(precompile, (list, tuple)) and all(
                     isinstance(n, int) and not isinstance(n, bool) and n >= 1
@@ -210,6 +228,7 @@ class LLMEngine:
             raise ValueError(f"precompile must be True, False, None or a list of step sizes "
                              f"in tokens (ints >= 1), got {precompile!r}")
         cache_dir = compilation_cache.resolve_cache_dir(compilation_cache_dir)
+        self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         # Tensor parallelism: the model and the pool split over a mesh (`jaxpaged.parallel`).
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         self.model_config = load_config(model_dir).for_tensor_parallel(tensor_parallel_size)
@@ -282,6 +301,11 @@ class LLMEngine:
                                    eos_token_ids=self.eos_token_ids,
                                    recompute_at=self.model_config.rope_switch_length)
         self.executor = FaultIsolatingExecutor(self.runner)
+        self.proposer = (None if self.speculative_config is None
+                         else self._make_proposer(self.speculative_config, backend, cache_dir))
+        self.num_spec_drafts = 0  # speculative decoding's totals: steps a sequence proposed in,
+        self.num_spec_draft_tokens = 0  # tokens proposed,
+        self.num_spec_accepted_tokens = 0  # and tokens accepted
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
         self._request_ids = itertools.count()
@@ -297,10 +321,65 @@ class LLMEngine:
         """The model with its weights (read from the GGUF file itself for a folder that serves
         one, `gguf_import.write_gguf_metadata`), quantized as `quantization` says."""
         source = gguf_import.gguf_source(model_dir)
-        readers = None if source is None else gguf_import.open_gguf_weights(source)
+        readers = None
+        if source is not None:
+            hf_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+            readers = gguf_import.open_gguf_weights(source, types.SimpleNamespace(**hf_config))
         model = load_model(model_dir, self.model_config, self.dtype, backend, self.mesh,
                            readers)
-        return quantize_model(model, self.quantization, mesh=self.mesh)
+        model = quantize_model(model, self.quantization, mesh=self.mesh)
+        del readers
+        _release_freed_memory()
+        return model
+
+    def _make_proposer(self, config: SpeculativeConfig, backend, cache_dir):
+        """The proposer of `config` (`jaxpaged.spec_decode`); a draft model gets its own
+        runner and KV pool of as many blocks as the target's.
+
+        Raises:
+          ValueError: a combination speculative decoding does not support (named), or a draft
+            model whose vocabulary differs from the target's.
+        """
+        if self.model_config.rope_switch_length:
+            raise ValueError("speculative_config: not supported for a model whose RoPE switches "
+                             "with the sequence length (longrope)")
+        if self.mesh is not None:
+            raise ValueError("speculative_config: not supported with tensor_parallel_size > 1")
+        if config.method == "ngram":
+            return NgramProposer(config)
+        draft_dir = resolve_model(config.model)
+        draft_config = load_config(draft_dir)
+        if draft_config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"speculative_config: the draft model {config.model!r} has "
+                             f"vocab_size {draft_config.vocab_size}, the target "
+                             f"{self.model_config.vocab_size}; it must share the tokenizer")
+        draft = load_model(draft_dir, draft_config, self.dtype, backend)
+        num_blocks = self.block_manager.num_blocks
+        cache_config = dataclasses.replace(self.cache_config, num_kv_blocks=num_blocks,
+                                           enable_prefix_caching=False)
+        runner = ModelRunner(draft, cache_config, num_blocks, self.dtype,
+                             max_num_seqs=self.scheduler_config.max_num_seqs,
+                             max_model_len=self.scheduler_config.max_model_len,
+                             compilation_cache_dir=cache_dir)
+        return DraftModelProposer(config, runner, BlockManager(num_blocks, cache_config.block_size),
+                                  self.scheduler_config.max_num_batched_tokens)
+
+    def _propose(self) -> None:
+        """Sets the proposals of each decoding sequence for the next step (none when more
+        sequences decode than `disable_by_batch_size`)."""
+        running = self.scheduler.running
+        self.proposer.release(running)  # sequences preempted or aborted since the last step
+        decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1
+                    and s.num_output_tokens > 0]
+        for seq in running:
+            seq.spec_token_ids = []
+        limit = self.speculative_config.disable_by_batch_size
+        if not decoding or (limit is not None and len(decoding) > limit):
+            return
+        k = self.speculative_config.num_speculative_tokens
+        ks = [num_proposals(seq, k, self.scheduler_config.max_model_len) for seq in decoding]
+        for seq, proposal in zip(decoding, self.proposer.propose(decoding, ks)):
+            seq.spec_token_ids = proposal
 
     def _eos_token_ids(self, model_dir: Path) -> set[int]:
         """The config's, the generation config's and the tokenizer's end-of-sequence ids.
@@ -548,6 +627,8 @@ class LLMEngine:
         """
         self._check_alive()
         try:
+            if self.proposer is not None:
+                self._propose()
             out = self.scheduler.schedule()
         except Exception as e:  # its state can no longer be trusted
             self.dead = EngineDeadError(f"the scheduler failed: {describe(e)}")
@@ -566,6 +647,11 @@ class LLMEngine:
         now = time.time()
         update = self.scheduler.update_from_output(out, sampled, set(failed))
         self.num_prompt_tokens += update.num_prompt_tokens
+        for row, proposals in enumerate(out.spec_token_ids):
+            if proposals and out.seqs[row].request_id not in failed:
+                self.num_spec_drafts += 1
+                self.num_spec_draft_tokens += len(proposals)
+                self.num_spec_accepted_tokens += len(sampled[row]) - 1
         for row, lps in prompt_lps.items():
             request = self.requests[out.seqs[row].request_id]
             if request.request_id not in failed and request.prompt_logprobs is None:
@@ -582,6 +668,8 @@ class LLMEngine:
         for request_id, reason in failed.items():
             touched[request_id] = self._fail(self.requests[request_id], reason)
             self.num_failed_requests += 1
+        if self.proposer is not None:  # the draft's state of sequences that finished goes
+            self.proposer.release(self.scheduler.running)
         outputs = []
         for request_id, request in touched.items():
             if request.finished:
@@ -596,19 +684,34 @@ class LLMEngine:
     def _advance(self, request: Request, appended: list, now: float) -> None:
         """The host side of a row's new tokens, which the scheduler has appended (and finished
         where a token id or a length ends them): registers the completions the row forked
-        into, then for each token its log-probabilities, its text and the stop strings."""
-        self.num_generation_tokens += len(appended)
+        into, then for each token its log-probabilities, its text and the stop strings. A row
+        that verified speculative tokens appends several tokens to one sequence; those after a
+        stop string are taken back."""
         request.metrics.first_token_time = request.metrics.first_token_time or now
+        first = appended[0][0]
         for seq, _ in appended[1:]:  # completions forked from the first (n > 1)
-            request.seqs.append(seq)
-            request.detokenizers.append(IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, seq.params.skip_special_tokens))
-            request.stop_states.append(new_stop_state(seq.params))
-        for seq, token in appended:
+            if seq is not first:
+                request.seqs.append(seq)
+                request.detokenizers.append(IncrementalDetokenizer(
+                    self.tokenizer, request.prompt_token_ids, seq.params.skip_special_tokens))
+                request.stop_states.append(new_stop_state(seq.params))
+        for i, (seq, token) in enumerate(appended):
             self._add_text(seq, token, request.detokenizers[seq.index],
                            request.stop_states[seq.index])
+            self.num_generation_tokens += 1
+            if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str):
+                later = [t for s, t in appended[i + 1:] if s is seq]
+                if later:  # a stop string ended it before its last speculative token
+                    del seq.token_ids[-len(later):]
+                    seq.cumulative_logprob -= sum(t.logprob for t in later)
+                    break
         request.metrics.num_generation_tokens = max(request.metrics.num_generation_tokens,
-                                                    appended[0][0].num_output_tokens)
+                                                    first.num_output_tokens)
+        if first.spec_num_drafts:
+            m = request.metrics
+            m.spec_num_drafts = sum(s.spec_num_drafts for s in request.seqs)
+            m.spec_num_draft_tokens = sum(s.spec_num_draft_tokens for s in request.seqs)
+            m.spec_num_accepted_tokens = sum(s.spec_num_accepted_tokens for s in request.seqs)
 
     # -- faults -----------------------------------------------------------------------------
 
@@ -678,7 +781,9 @@ class LLMEngine:
         num_generation_tokens, num_failed_requests (failed by a fault in a step), num_prefix_cache_queries / num_prefix_cache_hits (full prompt
         blocks looked up in / found in the prefix cache); num_compilations (shapes the model step
         is compiled for); weight_bytes (the parameters' bytes, whole arrays) and
-        kv_cache_bytes_per_token (pool bytes per token, all layers)."""
+        kv_cache_bytes_per_token (pool bytes per token, all layers); with speculative decoding,
+        num_spec_drafts, num_spec_draft_tokens, num_spec_accepted_tokens (steps a sequence
+        verified proposals in, tokens proposed, tokens accepted) and spec_acceptance_rate."""
         bm, scheduler = self.block_manager, self.scheduler
         running_requests = {s.request_id for s in scheduler.running}
         waiting_requests = {s.request_id for s in scheduler.waiting} - running_requests
@@ -703,4 +808,11 @@ class LLMEngine:
                              else weight_bytes(self.runner.params)),
             "kv_cache_bytes_per_token": kv_cache_bytes_per_token(self.model_config,
                                                                  self.kv_cache_dtype),
+            **({} if self.proposer is None else {
+                "num_spec_drafts": self.num_spec_drafts,
+                "num_spec_draft_tokens": self.num_spec_draft_tokens,
+                "num_spec_accepted_tokens": self.num_spec_accepted_tokens,
+                "spec_acceptance_rate": (self.num_spec_accepted_tokens
+                                         / max(1, self.num_spec_draft_tokens)),
+            }),
         }

@@ -332,15 +332,27 @@ class ModelRunner:
             self.fault_hook(out)
         if out.blocks_to_copy:
             self.apply_copies(out.blocks_to_copy)
-        batch = self.prepare(out.seqs, out.num_scheduled_tokens)
+        spec = [out.spec_tokens(row) for row in range(len(out.seqs))]
+        # Where each row's logits start among the rows the step returns: one per row, or for a
+        # row verifying k proposals, k + 1 (its last token's and each proposal's).
+        first_logit = np.cumsum([0] + [1 + len(s) for s in spec])
+        logits_indices = None
+        if any(spec):
+            ends = np.cumsum(out.num_scheduled_tokens)
+            logits_indices = np.zeros((next_power_of_2(int(first_logit[-1])),), np.int32)
+            for row, (end, s) in enumerate(zip(ends, spec)):
+                logits_indices[first_logit[row]:first_logit[row + 1]] = \
+                    np.arange(end - 1 - len(s), end)
+        batch = self.prepare(out.seqs, out.num_scheduled_tokens, spec)
         want = [row for row, seq in enumerate(out.seqs) if self._wants_prompt_logprobs(seq)]
         scored = self._scored_tokens(out, batch.attention.query_start_loc)
-        logits = self._run_step(batch, all_positions=bool(want or scored))
         prompt_lps = {}
         if want or scored:
+            logits = self._run_step(batch, all_positions=True)
             md = batch.attention
-            last = np.minimum(md.query_start_loc[:-1] + np.maximum(md.query_lens - 1, 0),
-                              len(batch.input_ids) - 1)
+            last = (logits_indices if logits_indices is not None else
+                    np.minimum(md.query_start_loc[:-1] + np.maximum(md.query_lens - 1, 0),
+                               len(batch.input_ids) - 1))
             if scored:
                 self._score(logits, scored)
             if want:
@@ -351,26 +363,38 @@ class ModelRunner:
                                                            jax.device_get(plp))
             else:
                 logits = sampler.gather_rows(logits, last)
+        else:
+            logits = self._run_step(dataclasses.replace(batch, logits_indices=logits_indices))
         per_row = [[] for _ in out.seqs]
-        samples = [(row, seq, j) for row, seq in enumerate(out.seqs) if out.completes(row)
-                   for j in range(1 + seq.num_forks)]
+        # (logits row, seq, completion j, proposals before this draw) of each draw.
+        samples = [(int(first_logit[row]) + i, seq, j, spec[row][:i])
+                   for row, seq in enumerate(out.seqs) if out.completes(row)
+                   for j in range(1 + seq.num_forks) for i in range(1 + len(spec[row]))]
         if not samples:
             return per_row, prompt_lps
         rows, md = self.prepare_sampling(samples)
-        num_logprobs = max((s.params.logprobs or 0) for _, s, _ in samples)
+        num_logprobs = max((s.params.logprobs or 0) for _, s, _, _ in samples)
         num_logprobs = next_power_of_2(num_logprobs) if num_logprobs else 0
         res = jax.device_get(self._sample(
             sampler.gather_rows(logits, rows), md,
             # Processed logprobs read the truncated distribution, which the greedy path skips.
             all_greedy=all(s.params.is_greedy and s.params.logprobs_mode == "raw"
-                           for _, s, _ in samples),
+                           for _, s, _, _ in samples),
             num_logprobs=num_logprobs))
-        for i, (row, seq, _) in enumerate(samples):
+        row_of = np.searchsorted(first_logit, [r for r, _, _, _ in samples], side="right") - 1
+        rejected = set()  # rows whose proposals stopped being accepted
+        for i, ((_, seq, _, before), row) in enumerate(zip(samples, row_of)):
+            if row in rejected:
+                continue
             k = seq.params.logprobs
             top = (None if k is None else [] if k == 0 else
                    list(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist())))
-            per_row[row].append(SampledToken(int(res.token_ids[i]), float(res.logprobs[i]),
-                                             int(res.ranks[i]), top))
+            token = SampledToken(int(res.token_ids[i]), float(res.logprobs[i]),
+                                 int(res.ranks[i]), top)
+            per_row[row].append(token)
+            # A draw that differs from the row's next proposal replaces it and ends the row.
+            if len(before) < len(spec[row]) and token.token_id != spec[row][len(before)]:
+                rejected.add(row)
         return per_row, prompt_lps
 
     @staticmethod
@@ -434,33 +458,43 @@ class ModelRunner:
         src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
         self.kv_cache = self._copy_blocks(self.kv_cache, src, dst)
 
-    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ModelInput:
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int],
+                spec_token_ids: list[list[int]] | None = None,
+                logits_indices: np.ndarray | None = None) -> ModelInput:
         """The step's sequences packed on one token axis of T = `step_tokens` of their
-        tokens, in the order given (sequence i's logits are row i); the backend's metadata for
-        them."""
+        tokens, in the order given (sequence i's logits are row i, or those of the tokens
+        `logits_indices` names); the backend's metadata for them. A row's `spec_token_ids`
+        (speculative proposals) follow its own tokens and are counted in its `num_new_tokens`.
+        """
         T = self.step_tokens(sum(num_new_tokens))
         input_ids, positions = np.zeros((T,), np.int32), np.zeros((T,), np.int32)
         rope_seq_lens = np.zeros((T,), np.int32) if self.config.rope_switch_length else None
         start = 0
-        for seq, q in zip(seqs, num_new_tokens):
+        for row, (seq, q) in enumerate(zip(seqs, num_new_tokens)):
             first = seq.num_computed_tokens
-            input_ids[start:start + q] = seq.token_ids[first:first + q]
+            spec = spec_token_ids[row] if spec_token_ids else ()
+            own = q - len(spec)
+            input_ids[start:start + own] = seq.token_ids[first:first + own]
+            input_ids[start + own:start + q] = spec
             positions[start:start + q] = np.arange(first, first + q)
             if rope_seq_lens is not None:
                 rope_seq_lens[start:start + q] = seq.num_tokens
             start += q
         md = self.backend.build(self.limits, T, [
             (seq.block_table, seq.num_computed_tokens, q) for seq, q in zip(seqs, num_new_tokens)])
-        return ModelInput(input_ids, positions, md, rope_seq_lens)
+        return ModelInput(input_ids, positions, md, rope_seq_lens, logits_indices)
 
-    def prepare_sampling(self, samples: list[tuple[int, Sequence, int]]
+    def prepare_sampling(self, samples: list[tuple[int, Sequence, int, list[int]]]
                          ) -> tuple[np.ndarray, SamplingMetadata]:
         """Per-sample arrays for `sampler.sample`, padded to a power of two R, and i32[R] the
         logits row each sample draws from (a step's sequence i has logits row i).
 
-        `samples` are (batch row, seq, j): sample j of a row drawing several uses seed
-        `seq.seed + j` (mod 2**64), so the j-th of n completions equals a lone request seeded
-        `seed + j` (vLLM's convention).
+        `samples` are (logits row, seq, j, proposals): sample j of a row drawing several uses
+        seed `seq.seed + j` (mod 2**64), so the j-th of n completions equals a lone request
+        seeded `seed + j` (vLLM's convention). A draw that verifies speculative tokens comes
+        after `proposals` (the ones before it, taken as accepted): it is output token
+        `num_output_tokens + len(proposals)`, with that token's key. (Proposals go only to
+        sequences whose draws depend on no other earlier output: `spec_decode.num_proposals`.)
         """
         R, V = next_power_of_2(len(samples)), self.config.vocab_size
         f = {name: np.zeros((R,), np.float32) for name in
@@ -468,22 +502,22 @@ class ModelRunner:
         f["top_p"], f["repetition_penalty"] = np.ones((R,), np.float32), np.ones((R,), np.float32)
         row_index, top_k, output_index = (np.zeros((R,), np.int32) for _ in range(3))
         seeds = np.zeros((R, 2), np.uint32)
-        params = [seq.params for _, seq, _ in samples]
+        params = [seq.params for _, seq, _, _ in samples]
         use_bias = any(p.logit_bias or p.allowed_token_ids is not None
                        or seq.num_output_tokens < p.min_tokens
-                       for p, (_, seq, _) in zip(params, samples))
+                       for p, (_, seq, _, _) in zip(params, samples))
         use_penalties = any(p.repetition_penalty != 1 or p.frequency_penalty
                             or p.presence_penalty for p in params)
         bias = np.zeros((R, V), np.float32) if use_bias else None
         # Structured outputs: each constrained sample's allowed tokens (the others allow all).
-        use_bitmask = any(seq.matcher is not None for _, seq, _ in samples)
+        use_bitmask = any(seq.matcher is not None for _, seq, _, _ in samples)
         bitmask = allocate_bitmask(R, V) if use_bitmask else None
         counts = np.zeros((R, V), np.int32) if use_penalties else None
         prompt_mask = np.zeros((R, V), bool) if use_penalties else None
-        for i, ((row, seq, j), p) in enumerate(zip(samples, params)):
+        for i, ((row, seq, j, proposals), p) in enumerate(zip(samples, params)):
             seed = completion_seed(seq.seed, j)
             row_index[i], top_k[i] = row, p.top_k
-            output_index[i] = seq.num_output_tokens
+            output_index[i] = seq.num_output_tokens + len(proposals)
             seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
             for name in f:
                 f[name][i] = getattr(p, name)

@@ -56,3 +56,21 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0  # tokens generated so far (the longest completion's)
+    # Speculative decoding (`jaxpaged.spec_decode`), over the request's completions: steps
+    # that verified proposals, tokens proposed, and tokens of those accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed tokens; None when nothing was proposed."""
+        return (self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+                if self.spec_num_draft_tokens else None)
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens a verifying step produced on average: 1 + accepted per draft (vLLM's mean
+        acceptance length); None when nothing was proposed."""
+        return (1 + self.spec_num_accepted_tokens / self.spec_num_drafts
+                if self.spec_num_drafts else None)

@@ -44,12 +44,19 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int]  # new tokens per row: a decode's 1, or a prompt chunk
     preempted: list[Sequence]  # sent back to waiting while building this step
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
+    # Per row, the speculative tokens it verifies after its last token (`jaxpaged.spec_decode`;
+    # counted in its `num_scheduled_tokens`), [] for most rows.
+    spec_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
 
     def completes(self, row: int) -> bool:
         """Whether row `row` computes up to its last token, so the step samples for it (a
         prompt chunk that leaves tokens for later steps does not)."""
-        seq = self.seqs[row]
-        return seq.num_computed_tokens + self.num_scheduled_tokens[row] == seq.num_tokens
+        seq, spec = self.seqs[row], self.spec_tokens(row)
+        return seq.num_computed_tokens + self.num_scheduled_tokens[row] - len(spec) \
+            == seq.num_tokens
+
+    def spec_tokens(self, row: int) -> list[int]:
+        return self.spec_token_ids[row] if self.spec_token_ids else []
 
 
 class Sampled(Protocol):
@@ -157,6 +164,12 @@ class Scheduler:
             q = 1 if _is_decode(seq) else self._prefill_tokens(seq, remaining, budget)
             if q == 0:  # a prompt chunk held back by the prefill cap
                 continue
+            # Proposals (`jaxpaged.spec_decode`) ride along where the budget and blocks allow.
+            spec = seq.spec_token_ids[:budget - 1] if q == 1 and _is_decode(seq) else []
+            seq.spec_token_ids = []
+            if spec and not self.block_manager.can_append(seq, 1 + len(spec)):
+                spec = []
+            q += len(spec)
             while not self.block_manager.can_append(seq, q):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -167,6 +180,7 @@ class Scheduler:
                 out.blocks_to_copy += self.block_manager.append_slots(seq, q)
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(q)
+                out.spec_token_ids.append(spec)
                 budget -= q
         return budget
 
@@ -201,6 +215,7 @@ class Scheduler:
             q = self._prefill_tokens(seq, remaining, budget)
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(q)
+            out.spec_token_ids.append([])
             budget -= q
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[list[Sampled]],
@@ -221,6 +236,10 @@ class Scheduler:
         for row, (seq, q) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
             if seq.request_id in skip_request_ids:
                 continue
+            spec = out.spec_tokens(row)
+            if spec:
+                appended.append((row, self._append_verified(seq, spec, sampled[row])))
+                continue
             num_prompt_tokens += max(0, min(seq.num_computed_tokens + q, seq.num_prompt_tokens)
                                      - seq.num_computed_tokens)
             seq.num_computed_tokens += q
@@ -238,6 +257,31 @@ class Scheduler:
                 self._check_stop(target)
             appended.append((row, list(zip(targets, sampled[row]))))
         return StepUpdate(num_prompt_tokens, appended)
+
+    def _append_verified(self, seq: Sequence, spec: list[int], tokens: list[Sampled]
+                         ) -> list[tuple[Sequence, Sampled]]:
+        """Books a decode row that verified proposals `spec`: `tokens` are the accepted ones and
+        the target's draw after them (`ModelRunner.execute`). Each is appended and checked as a
+        sampled token, up to one that ends the sequence; the slots past its tokens are given
+        back. Returns (seq, token) for each token appended."""
+        accepted = len(tokens) - 1
+        seq.spec_num_drafts += 1
+        seq.spec_num_draft_tokens += len(spec)
+        seq.spec_num_accepted_tokens += accepted
+        seq.num_computed_tokens += 1 + accepted  # its last token and the accepted proposals
+        appended = []
+        for token in tokens:
+            seq.token_ids.append(token.token_id)
+            seq.cumulative_logprob += token.logprob
+            if seq.matcher is not None:
+                seq.matcher.consume_token(token.token_id)
+            appended.append((seq, token))
+            self._check_stop(seq)
+            if seq.is_finished:
+                return appended
+        self.block_manager.trim(seq)
+        self.block_manager.cache_full_blocks(seq)
+        return appended
 
     def _fork_completion(self, parent: Sequence, j: int) -> Sequence:
         """The j-th completion of `parent`'s request, sharing its blocks; seeded `seed + j`."""
@@ -263,6 +307,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -74,6 +74,12 @@ class Sequence:
         self.matcher = None
         # `LLM.completion_logprobs`: the tokens from this index on are scored, not generated.
         self.scoring: Scoring | None = None
+        # Speculative decoding (`jaxpaged.spec_decode`): the proposals of the step being built,
+        # and the running counts of proposing steps, tokens proposed and tokens accepted.
+        self.spec_token_ids: list[int] = []
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
 
     @property
     def num_tokens(self) -> int:

@@ -56,6 +56,9 @@ class ModelInput:
     # i32[T], only for configs with a `rope_switch_length` (longrope): the length of each
     # token's sequence, every token known at this step (the prompt and the output so far).
     rope_seq_lens: jax.Array | None = None
+    # i32[R]: the tokens to return logits at, f32[R, V], in place of each sequence's last
+    # (speculative decoding verifies every proposal); None: the last of each.
+    logits_indices: jax.Array | None = None
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_cache: jax.Array,

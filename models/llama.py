@@ -145,6 +145,8 @@ class LlamaForCausalLM(nnx.Module):
 
         if all_positions:
             return self.compute_logits(self.norm(x)), kv_cache
+        if batch.logits_indices is not None:
+            return self.compute_logits(self.norm(x[batch.logits_indices])), kv_cache  # [R, V]
         last = jnp.minimum(md.query_start_loc[:-1] + jnp.maximum(md.query_lens - 1, 0), T - 1)
         return self.compute_logits(self.norm(x[last])), kv_cache  # [S, V]
 

@@ -55,6 +55,14 @@ class _EngineCollector:
         yield self._family(counter, "num_requests_failed",
                            "Requests failed by a fault in an engine step (500s).",
                            s["num_failed_requests"])
+        if "num_spec_drafts" in s:  # speculative decoding (vLLM's spec_decode_* counters)
+            yield self._family(counter, "spec_decode_num_drafts",
+                               "Sequence steps that verified speculative proposals.",
+                               s["num_spec_drafts"])
+            yield self._family(counter, "spec_decode_num_draft_tokens",
+                               "Speculative tokens proposed.", s["num_spec_draft_tokens"])
+            yield self._family(counter, "spec_decode_num_accepted_tokens",
+                               "Speculative tokens accepted.", s["num_spec_accepted_tokens"])
 
 
 class ServerMetrics:

@@ -239,7 +239,7 @@ def test_a_fault_after_the_kv_writes_and_block_copies_is_rerun_safely(make_llm, 
     events = []
 
     def faulty_prepare(samples):
-        if any(seq.params.seed == 666 and seq.num_output_tokens == 1 for _, seq, _ in samples):
+        if any(seq.params.seed == 666 and seq.num_output_tokens == 1 for _, seq, _, _ in samples):
             events.append(("fault", len(samples)))
             raise RuntimeError("injected fault after the model step")
         return prepare(samples)
