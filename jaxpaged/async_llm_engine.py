@@ -102,6 +102,11 @@ class AsyncLLMEngine:
         finally:
             self._stats = self.engine.stats()
 
+    async def embed(self, token_ids: list[list[int]], pooling: str = "last",
+                    normalize: bool = True):
+        """`LLMEngine.embed` on the engine's thread (between steps): f32[n, hidden_size]."""
+        return await self.run(self.engine.embed, token_ids, pooling, normalize)
+
     async def preprocess(self, fn: Callable[..., T], *args) -> T:
         """Runs `fn(*args)` on the preprocessing pool: for work that reads no engine state."""
         return await asyncio.get_running_loop().run_in_executor(self._preprocessor, fn, *args)
@@ -109,13 +114,14 @@ class AsyncLLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     async def add_request(self, prompt: str | dict, params: SamplingParams,
-                          request_id: str) -> RequestStream:
+                          request_id: str, priority: int = 0) -> RequestStream:
         """Queues a request; returns the stream of its outputs. Validates before queueing.
 
         Args:
           prompt: text (tokenized on the preprocessing pool), or
             `{"prompt_token_ids": [...], "prompt": optional text}`.
           request_id: unique among unfinished requests.
+          priority: lower first, under the engine's "priority" scheduling policy.
 
         Raises:
           InvalidRequestError (a ValueError): the prompt, parameters or request id are invalid,
@@ -136,7 +142,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         try:
-            await self.run(self.engine.add_request, prompt, params, request_id)
+            await self.run(self.engine.add_request, prompt, params, request_id, priority)
         except ValueError:
             del self._streams[request_id]
             raise

@@ -7,6 +7,7 @@ import argparse
 import os
 import shutil
 import sys
+from pathlib import Path
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +27,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
                    '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' or \'{"model": '
                    'PATH, "num_speculative_tokens": 4}\' (a draft model)')
+    g.add_argument("--generation-config", default="auto",
+                   help="default sampling values: 'auto' from the model folder's "
+                   "generation_config.json (temperature, top_p, top_k, min_p, "
+                   "repetition_penalty, max_new_tokens), 'vllm' for none, or a folder holding "
+                   "one; a request's own fields override them")
     g.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -35,6 +41,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "(0: no cap; default 128); bounds inter-token latency under load")
     g.add_argument("--max-num-partial-prefills", type=int, default=1,
                    help="prompts computed at most in a step that also decodes")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: arrival order; priority: a request's 'priority' (lower first, "
+                   "ties by arrival), a waiting request preempting lower ones")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="blocks in the KV pool")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
@@ -108,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                    help="the model's tool-call syntax (hermes: <tool_call>{json}</tool_call>, "
                    "as Hermes 2 Pro and Qwen2.5 write)")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="return a reasoning model's <think>...</think> text apart, as "
+                   "reasoning_content in chat messages and stream deltas")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file (or the template itself) in place of the "
+                   "tokenizer's")
     batch = sub.add_parser("run-batch", help="run an OpenAI Batch file (JSONL of /v1/completions "
                            "and /v1/chat/completions requests), writing results and a manifest")
     batch.add_argument("-i", "--input-file", required=True, help="the requests, one per line")
@@ -165,6 +180,23 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"jaxpaged: error: {e}", file=sys.stderr)
         return 2
+
+
+def _chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the value itself when it names no file but reads as
+    a template (vLLM's rule).
+
+    Raises:
+      ValueError: neither a file nor a template (the value named).
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def _turn_ynn_fusions_off() -> None:
@@ -256,10 +288,12 @@ def _engine_options(args: argparse.Namespace, one_shot: int = 0,
                 quantization=None if args.quantization == "none" else args.quantization,
                 kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                 speculative_config=args.speculative_config,
+                generation_config=args.generation_config,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 max_num_partial_prefills=args.max_num_partial_prefills,
+                scheduling_policy=args.scheduling_policy,
                 block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_bytes=(kv_cache_memory_bytes or args.kv_cache_memory_bytes
                                        or 2 << 30),
@@ -323,7 +357,8 @@ def _serve(args: argparse.Namespace) -> int:
                           api_key=args.api_key, model_root=str(args.model or DEFAULT_MODEL),
                           log_level=args.log_level,
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
-                          else None)
+                          else None, chat_template=_chat_template(args.chat_template),
+                          reasoning_parser=args.reasoning_parser)
     finally:
         if args.num_processes > 1:
             llm.llm_engine.shutdown()

@@ -57,9 +57,10 @@ class InputProcessor:
         return text, ids
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, tools: list[dict] | None = None
-                    ) -> tuple[str, list[int]]:
-        """(text, token ids) of a conversation rendered with the model's chat template.
+                    continue_final_message: bool = False, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """(text, token ids) of a conversation rendered with the model's chat template, with
+        `template_kwargs` as extra template variables (`enable_thinking`, ...).
 
         The template adds the special tokens, so the text is tokenized without adding more.
         `tools` (OpenAI's `[{"type": "function", "function": {...}}]`) go to the template,
@@ -76,7 +77,7 @@ class InputProcessor:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message)
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
         except jinja2.TemplateError as e:
             raise InvalidRequestError(
                 "messages", f"the chat template rejected the messages: {e}") from e

@@ -19,9 +19,9 @@ from jaxpaged.errors import InvalidRequestError, RequestFailedError
 from jaxpaged.llm_engine import LLMEngine
 from jaxpaged.model_store import resolve_model
 from jaxpaged.models import dense_forward
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxpaged.parallel import init_distributed
-from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, generation_defaults
 
 PromptType = str | dict
 
@@ -59,6 +59,9 @@ class LLM:
         also decodes (0: no cap; default 128); bounds inter-token latency under load (see
         `jaxpaged.scheduler`).
       max_num_partial_prefills: prompts computed at most in a step that also decodes.
+      scheduling_policy: "fcfs" (arrival order) or "priority": requests run by their
+        `priority` (lower first, ties by arrival; `generate(..., priority=[...])`), and a
+        waiting request that finds no room preempts running ones of lower priority (vLLM's).
       block_size: tokens per KV block.
       num_kv_blocks: blocks in the KV pool; default: as many as `kv_cache_memory_bytes` holds.
       kv_cache_memory_bytes: KV pool budget in bytes (default 2 GiB).
@@ -110,6 +113,12 @@ class LLM:
         "float32", "bfloat16", "float16", or the 8-bit pools "int8" and "fp8"
         (float8_e4m3fn), one float32 scale per token and head: about a quarter of float32's
         bytes per token, so `kv_cache_memory_bytes` holds about 3.8x the tokens.
+      generation_config: where the default sampling values come from (vLLM's option): "auto"
+        the model folder's `generation_config.json` (its temperature, top_p, top_k, min_p,
+        repetition_penalty and max_new_tokens), "vllm" or None none (`SamplingParams()`'s),
+        or another folder holding one. `get_default_sampling_params()` returns them; they
+        apply where no sampling params are given, and the server's requests override them
+        field by field.
       speculative_config: speculative decoding (`jaxpaged.spec_decode`), vLLM's keys as a
         dict (or its JSON text): `{"method": "ngram", "num_speculative_tokens": k,
         "prompt_lookup_max": n, "prompt_lookup_min": m}` or `{"model": PATH,
@@ -125,7 +134,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None,
                  long_prefill_token_threshold: int | None = None,
-                 max_num_partial_prefills: int = 1, block_size: int = 16,
+                 max_num_partial_prefills: int = 1, scheduling_policy: str = "fcfs",
+                 block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
                  seed: int = 0, precompile: bool | list[int] | None = None,
@@ -134,7 +144,8 @@ class LLM:
                  process_id: int = 0,
                  compilation_cache_dir: str | os.PathLike | None = "auto",
                  batch_invariant: bool = False, quantization: str | None = "auto",
-                 kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None):
+                 kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None,
+                 generation_config: str | os.PathLike | None = "auto"):
         if coordinator_address is not None:
             init_distributed(coordinator_address, num_processes, process_id)
         elif num_processes != 1:
@@ -148,6 +159,7 @@ class LLM:
                                     max_num_batched_tokens=max_num_batched_tokens,
                                     long_prefill_token_threshold=long_prefill_token_threshold,
                                     max_num_partial_prefills=max_num_partial_prefills,
+                                    scheduling_policy=scheduling_policy,
                                     cache_config=cache_config,
                                     attention_backend=attention_backend, seed=seed,
                                     precompile=precompile,
@@ -158,13 +170,24 @@ class LLM:
                                     kv_cache_dtype=kv_cache_dtype,
                                     speculative_config=speculative_config)
         self._dense_forward = None  # jitted on first use
+        if generation_config in (None, "vllm"):
+            self.generation_defaults = {}
+        else:
+            self.generation_defaults = generation_defaults(
+                model_dir if generation_config == "auto" else generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams` with the model's generation-config defaults (`generation_config`);
+        what `generate` and `chat` use when given none."""
+        return SamplingParams(**self.generation_defaults)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: SequenceABC[int] | None = None
+                 ) -> list[RequestOutput]:
         """Generates completions for all prompts, batched, and returns them in input order.
 
         Args:
@@ -172,6 +195,7 @@ class LLM:
           sampling_params: one `SamplingParams` for all prompts, one per prompt, or None for the
             defaults.
           use_tqdm: show a progress bar.
+          priority: one int per prompt (lower first) under `scheduling_policy="priority"`.
 
         Returns:
           One finished `RequestOutput` per prompt. A request that a fault in an engine step was
@@ -187,7 +211,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -198,9 +222,11 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling params must be SamplingParams, got {p!r:.80}")
         # Tokenize and validate every prompt before queueing any.
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         tokenized = [self.llm_engine.tokenize_prompt(p) for p in prompts]
         return self._run([{"prompt": text, "prompt_token_ids": ids} for text, ids in tokenized],
-                         params, use_tqdm)
+                         params, use_tqdm, priority or [0] * len(prompts))
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
@@ -230,16 +256,16 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, prompts, params, use_tqdm) -> list[RequestOutput]:
+    def _run(self, prompts, params, use_tqdm, priorities=None) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp, priority in zip(prompts, params, priorities or [0] * len(prompts)):
                 # Only the final output is kept: the engine need not build the others.
                 sp = copy.copy(sp)
                 sp.output_kind = RequestOutputKind.FINAL_ONLY
-                request_ids.append(engine.add_request(prompt, sp))
+                request_ids.append(engine.add_request(prompt, sp, priority=priority))
             with tqdm(total=len(request_ids), desc="Processed prompts",
                       disable=not use_tqdm) as bar:
                 while len(finished) < len(request_ids):
@@ -398,6 +424,30 @@ class LLM:
                                                             self.llm_engine.runner.graphdef))
         return self._dense_forward(params, jnp.asarray(input_ids, jnp.int32),
                                    None if attention_mask is None else jnp.asarray(attention_mask))
+
+    def embed(self, prompts: PromptType | SequenceABC[PromptType], pooling: str = "last",
+              normalize: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embeddings of prompts (vLLM's `LLM.embed` on a causal model): the final hidden
+        states, after the final norm, pooled over each prompt: its last token ("last", vLLM's
+        default for decoder models) or the mean of its tokens ("mean"); L2-normalized unless
+        `normalize=False`. No KV write and no KV block used (`LLMEngine.embed`).
+
+        Args:
+          prompts: a str, a `{"prompt_token_ids": [...]}` dict, or a list of either.
+
+        Returns:
+          One `EmbeddingRequestOutput` per prompt, in order; `outputs.embedding` has
+          `hidden_size` floats.
+
+        Raises:
+          ValueError: a bad prompt or pooling (named).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        ids = [self.llm_engine.tokenize_prompt(p)[1] for p in prompts]
+        vectors = self.llm_engine.embed(ids, pooling, normalize)
+        return [EmbeddingRequestOutput(str(i), row_ids, EmbeddingOutput(v.tolist()))
+                for i, (row_ids, v) in enumerate(zip(ids, vectors))]
 
     def update_params(self, params) -> None:
         """Serves with new weights from the next step: no disk, no recompilation. The prefix

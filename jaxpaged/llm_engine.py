@@ -27,7 +27,8 @@ from jaxpaged.faults import FaultIsolatingExecutor, describe
 from jaxpaged.input_processor import InputProcessor
 from jaxpaged.model_runner import ModelRunner, kv_cache_bytes_per_token, num_kv_blocks
 from jaxpaged import gguf_import
-from jaxpaged.models import load_config, load_model
+from jaxpaged.buckets import next_power_of_2
+from jaxpaged.models import load_config, load_model, pooled_hidden_states
 from jaxpaged.models.quantization import QUANTIZATION_METHODS, quantize_model, weight_bytes
 from jaxpaged.pallas_kernels.reference import KV_CODE_DTYPES
 from jaxpaged.models.loader import flat_params, params_from_hf_weights
@@ -189,6 +190,8 @@ def _batch_invariant_backend(attention_backend: str) -> str:
     return attention_backend
 
 
+POOLING_TYPES = ("last", "mean")  # `LLMEngine.embed`'s pooling (vLLM's LAST and MEAN)
+
 def _release_freed_memory() -> None:
     """Hands memory freed by loading (float weights replaced by quantized ones, GGUF blocks
     dequantized and dropped) back to the OS: glibc keeps freed heap pages resident until
@@ -213,7 +216,7 @@ class LLMEngine:
     def __init__(self, model_dir: Path, *, dtype: str = "auto", max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  long_prefill_token_threshold: int | None = None,
-                 max_num_partial_prefills: int = 1,
+                 max_num_partial_prefills: int = 1, scheduling_policy: str = "fcfs",
                  cache_config: CacheConfig = CacheConfig(), attention_backend: str = "auto",
                  seed: int = 0, precompile: bool | list[int] | None = None,
                  tensor_parallel_size: int = 1,
@@ -252,7 +255,8 @@ class LLMEngine:
             max_model_len=max_model_len or self.model_config.max_position_embeddings,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
-            max_num_partial_prefills=max_num_partial_prefills)
+            max_num_partial_prefills=max_num_partial_prefills,
+            scheduling_policy=scheduling_policy)
         if cache_config.enable_prefix_caching and self.model_config.rope_switch_length:
             # A block's K/V then depends on its sequence's length (longrope rotates with the
             # long factors once a sequence passes the original length), not on its tokens alone.
@@ -289,7 +293,7 @@ class LLMEngine:
                 self.runner.precompile([(T, v) for T, v in shapes if T in wanted],
                                        progress=False, sampler_variants=False)
             elif precompile:
-                self.runner.precompile(shapes)
+                self.runner.precompile(shapes, spec_tokens=self._max_spec_step_tokens())
             self.tokenizer = tokenizer.result()
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.scheduler_config.max_model_len)
@@ -309,12 +313,14 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
         self._request_ids = itertools.count()
+        self._arrivals = itertools.count()  # arrival order, for the priority policy
         self._token_texts: dict[int, str] = {}
         self.dead: EngineDeadError | None = None  # set by a fatal fault: no step runs after it
         self.num_failed_requests = 0  # requests failed by a fault in a step
         self.num_prompt_tokens = 0  # prompt tokens computed (recomputes included)
         self.num_generation_tokens = 0  # tokens sampled
         self.model_dir = model_dir
+        self._pooled = None  # the jitted embedding forward, built on first use
         self.sleep_level = 0  # `sleep`: 0 awake, 1 without the KV pool, 2 without the weights too
 
     def _load_model(self, model_dir: Path, backend) -> nnx.Module:
@@ -364,17 +370,31 @@ class LLMEngine:
         return DraftModelProposer(config, runner, BlockManager(num_blocks, cache_config.block_size),
                                   self.scheduler_config.max_num_batched_tokens)
 
+    def _max_spec_step_tokens(self) -> int:
+        """The most tokens a step verifying proposals takes (0 without speculation): every
+        sequence it may run for decoding, each with k proposals."""
+        c = self.speculative_config
+        if c is None:
+            return 0
+        seqs = min(self.scheduler_config.max_num_seqs,
+                   c.disable_by_batch_size or self.scheduler_config.max_num_seqs)
+        return min(self.scheduler_config.max_num_batched_tokens,
+                   seqs * (c.num_speculative_tokens + 1))
+
     def _propose(self) -> None:
-        """Sets the proposals of each decoding sequence for the next step (none when more
-        sequences decode than `disable_by_batch_size`)."""
+        """Sets the proposals of each decoding sequence for the next step: none while a
+        request waits or a prompt is being computed (speculation steps aside under load, and
+        steps that verify proposals only decode), or when more sequences decode than
+        `disable_by_batch_size`."""
         running = self.scheduler.running
         self.proposer.release(running)  # sequences preempted or aborted since the last step
-        decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1
-                    and s.num_output_tokens > 0]
         for seq in running:
             seq.spec_token_ids = []
+        decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1
+                    and s.num_output_tokens > 0]
         limit = self.speculative_config.disable_by_batch_size
-        if not decoding or (limit is not None and len(decoding) > limit):
+        if (not decoding or len(decoding) < len(running) or self.scheduler.waiting
+                or (limit is not None and len(decoding) > limit)):
             return
         k = self.speculative_config.num_speculative_tokens
         ks = [num_proposals(seq, k, self.scheduler_config.max_model_len) for seq in decoding]
@@ -402,6 +422,46 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+    # -- embeddings ---------------------------------------------------------------------------
+
+    EMBED_BATCH = 16  # prompts per embedding forward
+
+    def embed(self, token_ids: list[list[int]], pooling: str = "last",
+              normalize: bool = True) -> np.ndarray:
+        """Embeddings of prompts (`LLM.embed`, `/v1/embeddings`): the model's final hidden
+        states pooled over each prompt (`models.pooled_hidden_states`), by the dense forward on
+        the served parameters: no KV write, the pool untouched. Batches of `EMBED_BATCH`
+        prompts, right-padded to a power of two of tokens and of rows, so few shapes compile.
+
+        Returns:
+          f32[len(token_ids), hidden_size].
+
+        Raises:
+          ValueError: an unknown `pooling`, or an empty prompt.
+          RuntimeError: the weights were released by `sleep(level=2)`.
+        """
+        if pooling not in POOLING_TYPES:
+            raise InvalidRequestError("pooling", f"pooling must be one of {POOLING_TYPES}, "
+                                      f"got {pooling!r}")
+        if any(len(ids) == 0 for ids in token_ids):
+            raise InvalidRequestError("input", "an input to embed is empty")
+        params = self.get_params()
+        if self._pooled is None:
+            self._pooled = jax.jit(functools.partial(pooled_hidden_states, self.runner.graphdef),
+                                   static_argnames=("pooling", "normalize"))
+        out = []
+        for start in range(0, len(token_ids), self.EMBED_BATCH):
+            rows = token_ids[start:start + self.EMBED_BATCH]
+            B, T = next_power_of_2(len(rows)), next_power_of_2(max(map(len, rows)))
+            ids, mask = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+            mask[len(rows):, 0] = 1  # padding rows: one token, dropped below
+            for i, row in enumerate(rows):
+                ids[i, :len(row)], mask[i, :len(row)] = row, 1
+            pooled = self._pooled(params, ids, mask, pooling=pooling, normalize=normalize)
+            out.append(np.asarray(pooled)[:len(rows)])
+        return np.concatenate(out) if out else np.zeros((0, self.model_config.hidden_size),
+                                                        np.float32)
 
     # -- weights and memory -------------------------------------------------------------------
 
@@ -486,17 +546,24 @@ class LLMEngine:
                                                 continue_final_message, tools)
 
     def add_request(self, prompt: str | dict, params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, priority: int = 0) -> str:
         """Queues a prompt; returns its request id. Validates before queueing anything.
+        `priority`: under `scheduling_policy="priority"`, lower runs first (ties by arrival).
 
         Raises:
           InvalidRequestError (a ValueError), naming the field: a bad prompt (see
           `tokenize_prompt`); token ids past the vocabulary; more completions (`best_of` or `n`)
           than `max_num_seqs` runs at once; `prompt_logprobs` over a prompt longer than
           `max_num_batched_tokens` (it is computed in one step); a request id in use; an
-          invalid `structured_outputs` schema, regex or grammar.
+          invalid `structured_outputs` schema, regex or grammar; a `priority` that is not an
+          int, or not 0 under the "fcfs" policy.
         """
         self._check_alive()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError("priority", f"priority must be an int, got {priority!r}")
+        if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
+            raise InvalidRequestError("priority", f"priority {priority} needs "
+                                      "scheduling_policy='priority' (this engine is 'fcfs')")
         self._check_awake()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {params!r:.80}")
@@ -514,6 +581,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**63))
         # One sequence is prefilled; it forks into the n completions right after (block sharing).
         seq = Sequence(request_id, 0, ids, params, seed)
+        seq.priority, seq.arrival = priority, next(self._arrivals)
         if params.structured_outputs is not None:
             seq.matcher = self.grammar_compiler.matcher(params.structured_outputs)
         seq.num_forks = (params.best_of or params.n) - 1

@@ -258,21 +258,27 @@ class ModelRunner:
         return [(T, v) for T in Ts for v in self.backend.variants(T, self.limits)]
 
     def precompile(self, shapes: list[tuple[int, bool]], progress: bool = True,
-                   sampler_variants: bool = True) -> None:
+                   sampler_variants: bool = True, spec_tokens: int = 0) -> None:
         """Compiles the model step ahead of time for each (T, decode_only) of `step_shapes`,
         and (with `sampler_variants`) the sampler's default variants (`sampler.precompile`), so
-        that serving compiles nothing new. A shape of at most `WARM_UP_TOKENS` tokens is also
+        that serving compiles nothing new. With `spec_tokens`, each shape of 2 to that many
+        tokens also gets the variant that returns logits at every token (`logits_indices`:
+        steps that verify speculative tokens), and the sampler variants cover as many draws.
+        A shape of at most `WARM_UP_TOKENS` tokens is also
         run once on its padding-only input (nothing is written to the pool): an executable's
         first run on CPU costs 0.1-0.5 s more than the later ones, which would otherwise land
         on a request. Larger shapes take seconds a step, and are left to pay it when met."""
         cache = self.executables
         before = cache.num_compiled, cache.num_on_disk
-        batches = [self._padding_batch(T, decode_only) for T, decode_only in shapes]
+        batches = [(T, self._padding_batch(T, decode_only)) for T, decode_only in shapes]
+        batches += [(T, dataclasses.replace(b, logits_indices=np.zeros((T,), np.int32)))
+                    for T, b in batches if 2 <= T <= spec_tokens]
         # `prepare_sampling` pads the sample count to a power of two.
         draws = sampler.precompile_inputs(
-            self.config.vocab_size, pow2s(1, next_power_of_2(self.max_num_seqs)),
+            self.config.vocab_size,
+            pow2s(1, next_power_of_2(max(self.max_num_seqs, spec_tokens))),
             None if self.mesh is None else self.replicated) if sampler_variants else []
-        jobs = ([(self._step, (self.params, self.kv_cache, b), (False,), {}) for b in batches]
+        jobs = ([(self._step, (self.params, self.kv_cache, b), (False,), {}) for _, b in batches]
                 + [(sample_jit, (logits, md), (), dict(all_greedy=g, num_logprobs=0))
                    for logits, md, g in draws])
         bar = tqdm(total=len(jobs), desc="Compiling (or finding in the cache)",
@@ -285,7 +291,7 @@ class ModelRunner:
                 bar.set_postfix(compiled=cache.num_compiled - before[0],
                                 cached=cache.num_on_disk - before[1])
         bar.close()
-        for (T, _), batch in zip(shapes, batches):
+        for T, batch in batches:
             if T <= WARM_UP_TOKENS:
                 args = (self.params, self.kv_cache, batch)
                 _, self.kv_cache = self._executable(self._step, args, False)(*args)
@@ -337,9 +343,9 @@ class ModelRunner:
         # row verifying k proposals, k + 1 (its last token's and each proposal's).
         first_logit = np.cumsum([0] + [1 + len(s) for s in spec])
         logits_indices = None
-        if any(spec):
+        if any(spec):  # padded to the step's T: one executable per step size
             ends = np.cumsum(out.num_scheduled_tokens)
-            logits_indices = np.zeros((next_power_of_2(int(first_logit[-1])),), np.int32)
+            logits_indices = np.zeros((self.step_tokens(int(ends[-1])),), np.int32)
             for row, (end, s) in enumerate(zip(ends, spec)):
                 logits_indices[first_logit[row]:first_logit[row + 1]] = \
                     np.arange(end - 1 - len(s), end)

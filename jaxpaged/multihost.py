@@ -73,9 +73,9 @@ class LeaderEngine:
         self._client.key_value_set_bytes(key, pickle.dumps((method, args)))
         self._num_calls += 1
 
-    def add_request(self, prompt, params, request_id=None) -> str:
-        request_id = self._engine.add_request(prompt, params, request_id)
-        self._publish("add_request", prompt, params, request_id)
+    def add_request(self, prompt, params, request_id=None, priority=0) -> str:
+        request_id = self._engine.add_request(prompt, params, request_id, priority)
+        self._publish("add_request", prompt, params, request_id, priority)
         return request_id
 
     def abort_request(self, request_id: str) -> None:

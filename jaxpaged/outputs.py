@@ -74,3 +74,20 @@ class RequestMetrics:
         acceptance length); None when nothing was proposed."""
         return (1 + self.spec_num_accepted_tokens / self.spec_num_drafts
                 if self.spec_num_drafts else None)
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (`LLM.embed`): f32[D] as a list, pooled hidden states."""
+
+    embedding: list[float]
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `EmbeddingRequestOutput`: a prompt's embedding and its token ids."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -167,3 +167,43 @@ def _is_int(x) -> bool:
 def _is_number(x) -> bool:
     """A finite int or float (not a bool, NaN or infinity)."""
     return _is_int(x) or (isinstance(x, float) and math.isfinite(x))
+
+
+# generation_config.json's sampling fields that become defaults (vLLM's `--generation-config`),
+# by their name there -> the SamplingParams / request field they set.
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                            "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(folder) -> dict:
+    """The sampling defaults that `folder/generation_config.json` sets (vLLM's
+    `--generation-config auto`: `temperature`, `top_p`, `top_k`, `min_p`,
+    `repetition_penalty`, and `max_new_tokens` as `max_tokens`), by SamplingParams field; {}
+    without the file. A request's own values override them.
+
+    Raises:
+      ValueError: the file is not a JSON object, or one of those values is not a number (the
+        path and key named).
+    """
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    out = {}
+    for key, field in GENERATION_CONFIG_FIELDS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if not _is_number(value):
+            raise ValueError(f"{path}: {key} must be a number, got {value!r}")
+        out[field] = int(value) if field in ("top_k", "max_tokens") else float(value)
+    return out

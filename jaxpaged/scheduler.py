@@ -19,6 +19,16 @@ size: 31 decodes and a threshold of 128 pad to 192 tokens, so the prompt compute
 with no decodes uses the whole budget, so an idle engine starts a prompt as fast as before. A
 prompt that wants prompt log-probabilities is computed in one piece, and is not capped.
 
+A decoding sequence with speculative proposals (`seq.spec_token_ids`, set by the engine's
+proposer before the step; `jaxpaged.spec_decode`) computes them after its last token, as far as
+the budget and free blocks allow (proposals are dropped before anything is preempted for them);
+`update_from_output` appends the tokens the runner accepted and gives back the rest's slots.
+
+With `scheduling_policy="priority"` (vLLM's), the waiting queue is ordered by a request's
+`priority` (lower first), then arrival; a waiting sequence that finds no seat or no blocks
+preempts running ones of lower priority (latest arrival first among equals), and a running
+sequence that needs a block preempts the lowest-priority one.
+
 When a running sequence needs a block and none is free, the most recently admitted running
 sequence is preempted by recompute: its blocks are freed and it goes back to the front of the
 waiting queue, keeping its generated tokens. Nothing new is admitted in a step that preempts.
@@ -111,7 +121,44 @@ class Scheduler:
         self._padding_left = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.config.scheduling_policy == "priority":
+            self._insert_by_priority(seq)
+        else:
+            self.waiting.append(seq)
+
+    @staticmethod
+    def _priority_key(seq: Sequence) -> tuple[int, int]:
+        return seq.priority, seq.arrival
+
+    def _insert_by_priority(self, seq: Sequence) -> None:
+        """Into `waiting` after every sequence that goes first (a lower key)."""
+        key = self._priority_key(seq)
+        i = next((i for i, s in enumerate(self.waiting) if self._priority_key(s) > key),
+                 len(self.waiting))
+        self.waiting.insert(i, seq)
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt for blocks: the most recently admitted, or under
+        the priority policy the lowest priority (latest arrival among equals)."""
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=self._priority_key)
+        return self.running[-1]
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Priority policy: while the first waiting sequence finds no seat or not enough free
+        blocks for its prompt and a running sequence has a lower priority, preempts that one
+        (it is admitted in a later step: nothing new joins a step that preempts)."""
+        while self.waiting and self.running:
+            head, victim = self.waiting[0], max(self.running, key=self._priority_key)
+            if self._priority_key(victim) <= self._priority_key(head):
+                return
+            seats = sum(1 + s.num_forks for s in self.running)
+            if (seats + 1 + head.num_forks <= self.config.max_num_seqs
+                    and self.block_manager.num_blocks_needed(head.num_tokens)
+                    <= self.block_manager.num_free_blocks):
+                return
+            self._preempt(victim)
+            out.preempted.append(victim)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -128,6 +175,8 @@ class Scheduler:
                          self.config.max_num_batched_tokens)
             self._padding_left = min(self.padded_tokens(capped),
                                      self.config.max_num_batched_tokens) - capped
+        if self.config.scheduling_policy == "priority":
+            self._preempt_for_priority(out)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -171,7 +220,7 @@ class Scheduler:
                 spec = []
             q += len(spec)
             while not self.block_manager.can_append(seq, q):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -309,7 +358,10 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.config.scheduling_policy == "priority":
+            self._insert_by_priority(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

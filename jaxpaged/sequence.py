@@ -77,6 +77,9 @@ class Sequence:
         # Speculative decoding (`jaxpaged.spec_decode`): the proposals of the step being built,
         # and the running counts of proposing steps, tokens proposed and tokens accepted.
         self.spec_token_ids: list[int] = []
+        # Priority scheduling: the request's priority (lower first) and arrival order.
+        self.priority = 0
+        self.arrival = 0
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
@@ -105,6 +108,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
+        child.priority, child.arrival = self.priority, self.arrival
         child.matcher = None if self.matcher is None else self.matcher.deep_copy()
         return child
 

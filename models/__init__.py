@@ -3,7 +3,8 @@
 Imports `pallas_kernels` for attention and nothing of the engine or the server.
 """
 
-from jaxpaged.models.base import DenseBatch, ModelConfig, ModelInput, dense_forward, forward
+from jaxpaged.models.base import (DenseBatch, ModelConfig, ModelInput, dense_forward, forward,
+                                  pooled_hidden_states)
 from jaxpaged.models.config import LlamaConfig
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.registry import (MODEL_REGISTRY, SUPPORTED_ARCHITECTURES, load_config,
@@ -11,4 +12,5 @@ from jaxpaged.models.registry import (MODEL_REGISTRY, SUPPORTED_ARCHITECTURES, l
 
 __all__ = ["MODEL_REGISTRY", "SUPPORTED_ARCHITECTURES", "DenseBatch", "LlamaConfig",
            "LlamaForCausalLM", "ModelConfig", "ModelInput", "dense_forward", "forward",
+           "pooled_hidden_states",
            "load_config", "load_model"]

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.pallas_kernels.backends import AttentionMetadata, AttentionSpec
@@ -103,3 +104,35 @@ def dense_forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Arra
       f32[B, T, V] logits at every token (garbage at padding).
     """
     return nnx.merge(graphdef, params).dense_forward(input_ids, attention_mask)
+
+
+def pooled_hidden_states(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Array,
+                         attention_mask: jax.Array, pooling: str = "last",
+                         normalize: bool = True) -> jax.Array:
+    """Embeddings of a right-padded batch: the final hidden states (after the final norm, HF's
+    `last_hidden_state`) of the dense forward, pooled over each row's real tokens.
+
+    Args:
+      graphdef, params: `nnx.split(model)` of a registered model.
+      input_ids: i32[B, T]; attention_mask: [B, T], 1 at real tokens (padding at the right,
+        at least one real token per row).
+      pooling: static; "last" (the last real token, vLLM's default for causal models) or
+        "mean" (the real tokens' mean).
+      normalize: static; divide each row by its L2 norm.
+
+    Returns:
+      f32[B, D].
+    """
+    B, T = input_ids.shape
+    mask = jnp.asarray(attention_mask).astype(bool)
+    h = nnx.merge(graphdef, params).dense_hidden_states(input_ids, mask)
+    h = h.reshape(B, T, -1).astype(jnp.float32)
+    if pooling == "last":
+        last = jnp.sum(mask, axis=-1) - 1
+        out = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    else:
+        out = jnp.sum(jnp.where(mask[..., None], h, 0), axis=1) / jnp.sum(
+            mask, axis=-1, keepdims=True)
+    if normalize:
+        out = out / jnp.maximum(jnp.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
+    return out

@@ -164,6 +164,14 @@ class LlamaForCausalLM(nnx.Module):
           f32[B, T, V] logits at every token.
         """
         B, T = input_ids.shape
+        return self.compute_logits(self.dense_hidden_states(input_ids, attention_mask)
+                                   ).reshape(B, T, -1)
+
+    def dense_hidden_states(self, input_ids: jax.Array,
+                            attention_mask: jax.Array | None = None) -> jax.Array:
+        """`dense_forward`'s final hidden states, after the final norm (HF's
+        `last_hidden_state`): f[B * T, D], row b * T + t for token t of row b."""
+        B, T = input_ids.shape
         mask = (jnp.ones((B, T), bool) if attention_mask is None
                 else jnp.asarray(attention_mask).astype(bool))
         positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32)
@@ -181,7 +189,7 @@ class LlamaForCausalLM(nnx.Module):
         for i, layer in enumerate(self.layers):
             cos, sin = ropes[self.config.rope_kind(i)]
             x, _, _ = layer(x, cos, sin, None, i, batch)
-        return self.compute_logits(self.norm(x)).reshape(B, T, -1)
+        return self.norm(x)
 
     def compute_logits(self, x: jax.Array) -> jax.Array:
         """f[..., D] final hidden states -> f32[..., V] logits, soft-capped when the config

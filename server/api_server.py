@@ -2,7 +2,9 @@
 
     jaxpaged serve [--model M] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/embeddings`,
+`GET /v1/models`,
+`GET /v1/models/{id}`, `GET /health`,
 `GET /version`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`. Errors carry OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`: 400 for invalid input (`param` names the
 field), 401 for a missing or wrong API key on `/v1/*`, 404 for an unknown model or route, 415
@@ -36,15 +38,22 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-              model_root: str | None = None, tool_call_parser: str | None = None) -> Starlette:
+              model_root: str | None = None, tool_call_parser: str | None = None,
+              generation_defaults: dict | None = None,
+              reasoning_parser: str | None = None) -> Starlette:
     """The app serving `engine` as model `model_name`; `/v1/*` needs `api_key` if one is set;
-    `tool_call_parser` (a name in `tool_calls.TOOL_CALL_PARSERS`) allows `tool_choice="auto"`.
+    `tool_call_parser` (a name in `tool_calls.TOOL_CALL_PARSERS`) allows `tool_choice="auto"`;
+    `generation_defaults` (`LLM.generation_defaults`) fill the sampling fields a request leaves
+    out; `reasoning_parser` (a name in `reasoning.REASONING_PARSERS`) returns chats' thinking as
+    `reasoning_content`.
 
     The engine's step loop starts and stops with the app (its lifespan).
     """
     metrics = ServerMetrics(engine, model_name)
     serving = OpenAIServing(engine, model_name, on_finished=metrics.observe_finished,
-                            tool_call_parser=tool_call_parser)
+                            tool_call_parser=tool_call_parser,
+                            generation_defaults=generation_defaults,
+                            reasoning_parser=reasoning_parser)
 
     async def completions(request: Request) -> Response:
         req = await _parse(request, api.CompletionRequest)
@@ -54,9 +63,22 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         req = await _parse(request, api.ChatCompletionRequest)
         return await _respond(request, serving.create_chat_completion(req))
 
+    def card() -> api.ModelCard:
+        return api.ModelCard(id=model_name, root=model_root, max_model_len=engine.max_model_len)
+
+    async def embeddings(request: Request) -> Response:
+        req = await _parse(request, api.EmbeddingRequest)
+        return await _respond(request, serving.create_embedding(req))
+
     async def models(request: Request) -> Response:
-        card = api.ModelCard(id=model_name, root=model_root, max_model_len=engine.max_model_len)
-        return JSONResponse(api.ModelList(data=[card]).model_dump())
+        return JSONResponse(api.ModelList(data=[card()]).model_dump())
+
+    async def model(request: Request) -> Response:
+        if request.path_params["model"] != model_name:
+            model = request.path_params["model"]
+            return _error(APIError(f"The model `{model}` does not exist.", 404, "model",
+                                   "model_not_found"))
+        return JSONResponse(card().model_dump())
 
     async def health(request: Request) -> Response:
         if engine.dead is not None:
@@ -102,7 +124,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
@@ -200,15 +224,21 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
 
 def run_server(llm: jaxpaged.LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, model_root: str | None = None,
-               log_level: str = "info", tool_call_parser: str | None = None) -> int:
+               log_level: str = "info", tool_call_parser: str | None = None,
+               chat_template: str | None = None, reasoning_parser: str | None = None) -> int:
     """Serves `llm`'s engine with uvicorn until interrupted (returns 0), or until a fatal fault
     stops the engine or the server cannot start, say on a port in use (returns 1: the exit
-    status of `jaxpaged serve`, for a supervisor). `tool_call_parser`: see `build_app`."""
+    status of `jaxpaged serve`, for a supervisor). `tool_call_parser`: see `build_app`;
+    `chat_template`: a Jinja chat template (the text) in place of the tokenizer's; the model's
+    generation-config defaults (`llm.generation_defaults`) fill what requests leave out."""
     import uvicorn
 
     _log_like_uvicorn(log_level)
+    if chat_template is not None:
+        llm.get_tokenizer().chat_template = chat_template
     engine = AsyncLLMEngine(llm.llm_engine)
-    app = build_app(engine, model_name, api_key, model_root, tool_call_parser)
+    app = build_app(engine, model_name, api_key, model_root, tool_call_parser,
+                    getattr(llm, "generation_defaults", None), reasoning_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     engine.on_dead(lambda: setattr(server, "should_exit", True))
     try:

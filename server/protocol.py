@@ -12,6 +12,8 @@ OpenAI's own API and vLLM do, and logged (`ignored_fields`).
 
 from __future__ import annotations
 
+import functools
+
 import time
 from typing import Annotated, Any, Literal
 
@@ -84,6 +86,7 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
+    priority: int = 0  # vLLM's: lower first, under `--scheduling-policy priority`
     # vLLM's extra sampling fields
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
@@ -141,16 +144,25 @@ class _SamplingRequest(_Request):
         except InvalidRequestError as e:
             raise InvalidRequestError(name, str(e)) from e
 
+    def sampling_value(self, name: str, defaults: dict):
+        """The request's `name` field, or where the request leaves it out the model's default
+        (`defaults`, from its generation config), or the field's own default."""
+        if name in self.model_fields_set or name not in defaults:
+            return getattr(self, name)
+        return defaults[name]
+
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None, best_of: int | None = None
-                        ) -> SamplingParams:
-        """Deltas for a stream, the final output alone otherwise; raises ValueError for
-        combinations SamplingParams rejects."""
+                        prompt_logprobs: int | None = None, best_of: int | None = None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """Deltas for a stream, the final output alone otherwise; the sampling fields the
+        request leaves out from `defaults` (the model's generation config) where it has them;
+        raises ValueError for combinations SamplingParams rejects."""
+        value = functools.partial(self.sampling_value, defaults=defaults or {})
         return SamplingParams(
-            n=self.n, best_of=best_of, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
+            n=self.n, best_of=best_of, temperature=value("temperature"), top_p=value("top_p"),
+            top_k=value("top_k"), min_p=value("min_p"), presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
+            repetition_penalty=value("repetition_penalty"), seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -233,6 +245,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: extra variables for the chat template (`{"enable_thinking": false}` for Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def functions(self) -> dict[str, dict | None]:
@@ -294,6 +308,31 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+
+class EmbeddingRequest(_Request):
+    """`POST /v1/embeddings` (OpenAI's), with vLLM-style extras `pooling` and `normalize`."""
+
+    model: str | None = None
+    input: str | list[str] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None  # accepted, unused
+    pooling: Literal["last", "mean"] = "last"
+    normalize: bool = True
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: float32 little-endian bytes
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: UsageInfo
 
 
 class DetokenizeRequest(_Request):
@@ -378,6 +417,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser (vLLM's field)
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -416,6 +456,7 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -13,6 +13,7 @@ gets a 500 (or, once streaming, an error event before `[DONE]`) with the reason.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
 import time
@@ -28,6 +29,8 @@ from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedE
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server import protocol as api
 from jaxpaged.server.logprobs import chat_logprobs, completion_logprobs
+from jaxpaged.server.reasoning import ReasoningStream
+from jaxpaged.server.reasoning import reasoning_parser as reasoning_parser_named
 from jaxpaged.server.tool_calls import (TOOL_CALL_PARSERS, NamedFunction, RequiredCalls,
                                         ToolCallStream, parameters_schema)
 from jaxpaged.structured_outputs import StructuredOutputsParams
@@ -74,8 +77,12 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str,
                  on_finished: Callable[[RequestOutput], None] = lambda output: None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, generation_defaults: dict | None = None,
+                 reasoning_parser: str | None = None):
         """`tool_call_parser`: a name in `TOOL_CALL_PARSERS`, to allow `tool_choice="auto"`.
+        `generation_defaults`: the sampling values a request leaves out (`LLM.generation_defaults`:
+        the model's generation config), `max_tokens` among them. `reasoning_parser`: a name in
+        `reasoning.REASONING_PARSERS`, to return the thinking as `reasoning_content`.
 
         Raises:
           ValueError: an unknown `tool_call_parser`."""
@@ -86,6 +93,8 @@ class OpenAIServing:
         self.model_name = model_name
         self.on_finished = on_finished
         self.tool_call_parser = tool_call_parser
+        self.defaults = dict(generation_defaults or {})
+        self.reasoning = reasoning_parser_named(reasoning_parser)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -95,15 +104,17 @@ class OpenAIServing:
 
     def _max_tokens(self, requested: int | None, num_prompt_tokens: int,
                     prompt_param: str = "prompt", param: str = "max_tokens") -> int:
-        """`requested`, or all the room left when None; 400 past `max_model_len` naming
-        `param`, or `prompt_param` if the prompt alone leaves no room."""
+        """`requested`, or when None the generation config's `max_tokens` within the room left
+        (all of it without one); 400 past `max_model_len` naming `param`, or `prompt_param` if
+        the prompt alone leaves no room."""
         limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
             raise APIError(f"the prompt has {num_prompt_tokens} tokens, which leaves no room for "
                            f"output under this model's maximum context length of {limit}",
                            param=prompt_param)
         if requested is None:
-            return limit - num_prompt_tokens
+            return min(limit - num_prompt_tokens,
+                       self.defaults.get("max_tokens", limit - num_prompt_tokens))
         if num_prompt_tokens + requested > limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -119,7 +130,8 @@ class OpenAIServing:
             raise APIError(str(e), param="prompt") from e
 
     async def _add(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                   make_params: Callable, param_names: dict[str, str]) -> list[RequestStream]:
+                   make_params: Callable, param_names: dict[str, str], priority: int = 0
+                   ) -> list[RequestStream]:
         """Adds one engine request per prompt; on any error, aborts those already added.
 
         An engine `InvalidRequestError` becomes a 400 whose `param` is the field's name in this
@@ -131,7 +143,8 @@ class OpenAIServing:
                 # off the event loop, as tokenization is.
                 params = await self.engine.preprocess(make_params, ids)
                 streams.append(await self.engine.add_request(
-                    {"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}"))
+                    {"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}",
+                    priority))
         except (ValueError, EngineDeadError) as e:
             for stream in streams:
                 stream.close()
@@ -210,12 +223,13 @@ class OpenAIServing:
         def make_params(ids):
             max_tokens = 1 if prompt_only else req.max_tokens
             return req.sampling_params(self._max_tokens(max_tokens, len(ids)), req.logprobs,
-                                       req.logprobs if req.echo else None, req.best_of)
+                                       req.logprobs if req.echo else None, req.best_of,
+                                       defaults=self.defaults)
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, [p[:2] for p in prompts], make_params,
                                   {"prompt_logprobs": "logprobs",
-                                   "structured_outputs": req.constraint_field})
+                                   "structured_outputs": req.constraint_field}, req.priority)
         if prompt_only:
             streams = [_PromptOnly(stream) for stream in streams]
         if req.stream:
@@ -297,6 +311,43 @@ class OpenAIServing:
 
     # -- /v1/chat/completions ---------------------------------------------------------------
 
+    async def create_embedding(self, req: api.EmbeddingRequest) -> api.EmbeddingResponse:
+        """Pooled hidden states of each input (`LLMEngine.embed`), as floats or base64.
+
+        Raises:
+          APIError: 400 for an invalid input or `dimensions` (this model has one size), 404 for
+            an unknown model.
+        """
+        self.check_model(req.model)
+        if req.dimensions is not None:
+            raise APIError("dimensions is not supported: this model's embeddings have one size "
+                           "(its hidden size)", param="dimensions")
+        inputs = req.input
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        if not inputs:
+            raise APIError("input is empty", param="input")
+        ids = []
+        for item in inputs:
+            try:
+                prompt = item if isinstance(item, str) else {"prompt_token_ids": list(item)}
+                ids.append((await self.engine.tokenize_prompt(prompt))[1])
+            except ValueError as e:
+                raise APIError(str(e), param="input") from e
+        try:
+            vectors = await self.engine.embed(ids, req.pooling, req.normalize)
+        except ValueError as e:
+            raise APIError(str(e), param=getattr(e, "param", None) or "input") from e
+        except EngineDeadError as e:
+            raise APIError("the engine stopped on a fatal fault", 503,
+                           type="server_error") from e
+        data = [api.EmbeddingData(index=i, embedding=(
+            base64.b64encode(v.astype("<f4").tobytes()).decode()
+            if req.encoding_format == "base64" else v.tolist())) for i, v in enumerate(vectors)]
+        n = sum(map(len, ids))
+        return api.EmbeddingResponse(data=data, model=self.model_name,
+                                     usage=api.UsageInfo(prompt_tokens=n, total_tokens=n))
+
     async def create_chat_completion(self, req: api.ChatCompletionRequest
                                      ) -> api.ChatCompletionResponse | AsyncIterator[str]:
         """The response, or an iterator of SSE strings when `req.stream`.
@@ -308,8 +359,13 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         tool_calls = await self._tool_calls(req)
+        if self.reasoning is not None and _has_constraint(req):
+            raise APIError("structured outputs and required or named tool calls are not "
+                           "supported with --reasoning-parser (the constraint would apply to "
+                           "the reasoning too)", param=req.constraint_field)
         prompt = await self.chat_prompt(req.messages, req.add_generation_prompt,
-                                        req.continue_final_message, req.tools)
+                                        req.continue_final_message, req.tools,
+                                        req.chat_template_kwargs)
         requested = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
 
@@ -317,18 +373,24 @@ class OpenAIServing:
 
         def make_params(ids):
             return req.sampling_params(
-                self._max_tokens(requested, len(ids), "messages", max_param), logprobs)
+                self._max_tokens(requested, len(ids), "messages", max_param), logprobs,
+                defaults=self.defaults)
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, [prompt], make_params, {
             "prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_param,
-            "structured_outputs": req.constraint_field})
+            "structured_outputs": req.constraint_field}, req.priority)
         if req.stream:
             return _closing(self._chat_stream(req, request_id, streams, tool_calls), streams)
         [final] = await self._final_outputs(streams)
         choices = []
         for c in final.outputs:
-            message, finish_reason = _assistant_message(c, tool_calls)
+            reasoning, answer = (None, c.text) if self.reasoning is None \
+                else self.reasoning.split(c.text)
+            message, finish_reason = _assistant_message(answer or "", c.finish_reason, tool_calls)
+            message.reasoning_content = reasoning
+            if reasoning is not None and answer is None and not message.tool_calls:
+                message.content = None
             choices.append(api.ChatChoice(
                 index=c.index, message=message, finish_reason=finish_reason,
                 logprobs=self._chat_logprobs(req, c.token_ids, c.logprobs),
@@ -371,8 +433,8 @@ class OpenAIServing:
         return lambda: ToolCallStream(NamedFunction(mode), 1)
 
     async def chat_prompt(self, messages: list[api.ChatMessage], add_generation_prompt: bool,
-                          continue_final_message: bool, tools: list[api.ChatTool] | None = None
-                          ) -> tuple[str, list[int]]:
+                          continue_final_message: bool, tools: list[api.ChatTool] | None = None,
+                          template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """(text, ids) of the conversation (and the tools) under the chat template; 400 if it
         is rejected."""
         conversation = [_template_message(i, m) for i, m in enumerate(messages)]
@@ -380,7 +442,8 @@ class OpenAIServing:
         try:
             return await self.engine.chat_prompt(
                 conversation, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tool_dicts)
+                continue_final_message=continue_final_message, tools=tool_dicts,
+                template_kwargs=template_kwargs)
         except ValueError as e:
             raise APIError(str(e), param="messages") from e
 
@@ -394,6 +457,7 @@ class OpenAIServing:
     def _chat_stream(self, req, request_id, streams, tool_calls) -> AsyncIterator[str]:
         created = int(time.time())
         readers: dict[int, ToolCallStream] = {}  # choice index -> its tool calls so far
+        thinking: dict[int, ReasoningStream] = {}  # choice index -> its reasoning split
 
         def chunk(choices, usage=None):
             return sse(_drop_none_deltas(api.ChatCompletionChunk(
@@ -401,14 +465,26 @@ class OpenAIServing:
                 usage=usage)))
 
         def choice(c: CompletionOutput) -> api.ChatChunkChoice | None:
-            delta, finish_reason = api.DeltaMessage(content=c.text), c.finish_reason
+            text, reasoning = c.text, None
+            if self.reasoning is not None:
+                split = thinking.setdefault(c.index, self.reasoning.stream())
+                reasoning, text = split.feed(c.text, final=c.finish_reason is not None)
+                text = text or ""
+            delta = api.DeltaMessage(content=text if reasoning is None else text or None,
+                                     reasoning_content=reasoning)
+            finish_reason = c.finish_reason
             if tool_calls is not None:
                 reader = readers.setdefault(c.index, tool_calls())
-                content, calls = reader.feed(c.text, final=c.finish_reason is not None)
-                if not (content or calls or c.finish_reason or (req.logprobs and c.token_ids)):
+                content, calls = reader.feed(text, final=c.finish_reason is not None)
+                if not (content or calls or reasoning or c.finish_reason
+                        or (req.logprobs and c.token_ids)):
                     return None  # held back: it may start a tool call
-                delta = api.DeltaMessage(content=content or None, tool_calls=calls or None)
+                delta = api.DeltaMessage(content=content or None, tool_calls=calls or None,
+                                         reasoning_content=reasoning)
                 finish_reason = reader.finish_reason(c.finish_reason)
+            elif self.reasoning is not None and not (
+                    text or reasoning or c.finish_reason or (req.logprobs and c.token_ids)):
+                return None  # held back: it may start or end the reasoning
             return api.ChatChunkChoice(
                 index=c.index, delta=delta, finish_reason=finish_reason,
                 logprobs=self._chat_logprobs(req, c.token_ids, c.logprobs),
@@ -485,18 +561,28 @@ def _template_message(index: int, message: api.ChatMessage) -> dict:
     return out
 
 
-def _assistant_message(c: CompletionOutput, tool_calls: Callable[[], ToolCallStream] | None
+def _assistant_message(text: str, finish_reason: str | None,
+                       tool_calls: Callable[[], ToolCallStream] | None
                        ) -> tuple[api.AssistantMessage, str | None]:
-    """A finished choice's message and finish reason, its tool calls read if there are tools."""
+    """A finished choice's message and finish reason from its answer text, its tool calls read
+    if there are tools."""
     if tool_calls is None:
-        return api.AssistantMessage(content=c.text), c.finish_reason
+        return api.AssistantMessage(content=text), finish_reason
     reader = tool_calls()
-    reader.feed(c.text, final=True)
+    reader.feed(text, final=True)
     calls = [api.ToolCall(id=call.id, function=api.FunctionCall(
         name=call.name, arguments=call.arguments)) for call in reader.calls]
     content = reader.content if reader.content.strip() or not calls else None
     return (api.AssistantMessage(content=content, tool_calls=calls),
-            reader.finish_reason(c.finish_reason))
+            reader.finish_reason(finish_reason))
+
+
+def _has_constraint(req: api.ChatCompletionRequest) -> bool:
+    """Whether the chat request sets a structured-output constraint (tool calls included)."""
+    try:
+        return req.constraint() is not None
+    except InvalidRequestError as e:
+        raise APIError(str(e), param=e.param) from e
 
 
 def _text_content(message: api.ChatMessage) -> str:

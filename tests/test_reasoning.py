@@ -1,0 +1,120 @@
+"""Reasoning parsers (`--reasoning-parser`): the text between the think tags comes back as
+`reasoning_content`, apart from the answer, in chat messages and stream deltas, through the
+official `openai` client; `chat_template_kwargs` reach the template."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_utils import ServerThread
+
+from jaxpaged import LLM
+from jaxpaged.server.reasoning import reasoning_parser
+
+
+CHAIN = "<think>Let me see.</think>Paris"
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+            "{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("qwen3", "<think>abc</think>answer", ("abc", "answer")),
+    ("qwen3", "no tags at all", (None, "no tags at all")),
+    ("qwen3", "<think>cut off", ("cut off", None)),
+    ("qwen3", "abc</think>answer", (None, "abc</think>answer")),
+    ("deepseek_r1", "abc</think>answer", ("abc", "answer")),
+    ("deepseek_r1", "still thinking", ("still thinking", None)),
+])
+def test_split(name, text, expected):
+    assert reasoning_parser(name).split(text) == expected
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+def test_stream_equals_split_at_any_cut(name):
+    """Fed in pieces of every size (tags cut anywhere), a stream sends what `split` finds."""
+    parser = reasoning_parser(name)
+    for text in ("<think>abc</think>answer", "abc</think>x", "plain answer", "<think>open"):
+        for size in range(1, len(text) + 1):
+            stream, reasoning, answer = parser.stream(), "", ""
+            pieces = [text[i:i + size] for i in range(0, len(text), size)]
+            for i, piece in enumerate(pieces):
+                r, a = stream.feed(piece, final=i == len(pieces) - 1)
+                reasoning, answer = reasoning + (r or ""), answer + (a or "")
+            want = parser.split(text)
+            assert (reasoning or None, answer or None) == want, (text, size)
+
+
+def test_unknown_parser_is_named():
+    with pytest.raises(ValueError, match="reasoning_parser 'o1'"):
+        reasoning_parser("o1")
+
+
+@pytest.fixture(scope="module")
+def thinking_model_dir(tmp_path_factory, default_model_dir):
+    """A tiny Qwen3 that answers any chat with CHAIN: its layers add nothing (zero output
+    projections), so the logits read the current token's embedding, and the LM head maps each
+    token of the generation prompt's last token + CHAIN to the next one, then to EOS. The
+    default model's tokenizer, with the think tags added as single tokens."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    tokenizer.add_tokens(["<think>", "</think>"])  # one token each, as in Qwen3's vocabulary
+    chain = [tokenizer("\n").input_ids[-1], *tokenizer(CHAIN).input_ids,
+             tokenizer.eos_token_id]
+    assert len(set(chain)) == len(chain), "CHAIN's tokens must be distinct"
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, tie_word_embeddings=False, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=tokenizer.eos_token_id)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        head = model.lm_head.weight
+        head.mul_(0.01)
+        for a, b in zip(chain, chain[1:]):
+            head[b] = emb[a] / emb[a].norm() * 50
+    path = tmp_path_factory.mktemp("tiny-qwen3-think")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_reasoning_content_apart_streamed_and_not(thinking_model_dir):
+    llm = LLM(thinking_model_dir, max_model_len=256, num_kv_blocks=64, precompile=False)
+    llm.get_tokenizer().chat_template = TEMPLATE
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    [plain] = llm.chat(messages, use_tqdm=False)
+    assert plain.outputs[0].text == CHAIN  # the model says its chain
+    with ServerThread(llm, "tiny", reasoning_parser="qwen3") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="tiny", messages=messages, temperature=0)
+        message = r.choices[0].message
+        assert message.content == "Paris"
+        assert message.model_extra["reasoning_content"] == "Let me see."
+        reasoning, content = "", ""
+        for chunk in client.chat.completions.create(model="tiny", messages=messages,
+                                                    temperature=0, stream=True):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            if delta is not None:
+                reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+                content += delta.content or ""
+        assert (reasoning, content) == ("Let me see.", "Paris")
+        # chat_template_kwargs reach the template: thinking off adds the empty think block
+        on = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+        off = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=1,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert off.usage.prompt_tokens > on.usage.prompt_tokens
+        # a structured output would constrain the reasoning too: refused, naming the field
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={
+            "model": "tiny", "messages": messages,
+            "response_format": {"type": "json_object"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
