@@ -81,4 +81,7 @@ class InputProcessor:
         except jinja2.TemplateError as e:
             raise InvalidRequestError(
                 "messages", f"the chat template rejected the messages: {e}") from e
+        except TypeError as e:  # a template variable that names one of the call's own
+            raise InvalidRequestError("chat_template_kwargs", f"chat_template_kwargs: {e}") \
+                from e
         return text, self.tokenizer(text, add_special_tokens=False).input_ids

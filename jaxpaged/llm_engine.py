@@ -694,9 +694,14 @@ class LLMEngine:
           EngineDeadError: a fatal fault (see `jaxpaged.errors`); the engine is unusable.
         """
         self._check_alive()
-        try:
-            if self.proposer is not None:
+        if self.proposer is not None:
+            try:
                 self._propose()
+            except Exception:  # a failed proposal costs its speedup, not the requests
+                logger.exception("speculative proposals failed; this step decodes without")
+                for seq in self.scheduler.running:
+                    seq.spec_token_ids = []
+        try:
             out = self.scheduler.schedule()
         except Exception as e:  # its state can no longer be trusted
             self.dead = EngineDeadError(f"the scheduler failed: {describe(e)}")

@@ -137,11 +137,14 @@ class Scheduler:
                  len(self.waiting))
         self.waiting.insert(i, seq)
 
-    def _victim(self) -> Sequence:
+    def _victim(self, out: SchedulerOutput) -> Sequence:
         """The running sequence to preempt for blocks: the most recently admitted, or under
-        the priority policy the lowest priority (latest arrival among equals)."""
+        the priority policy the lowest priority (latest arrival among equals) of those not
+        yet in this step's batch (the sequence asking is one of them)."""
         if self.config.scheduling_policy == "priority":
-            return max(self.running, key=self._priority_key)
+            scheduled = {id(s) for s in out.seqs}
+            return max((s for s in self.running if id(s) not in scheduled),
+                       key=self._priority_key)
         return self.running[-1]
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
@@ -200,27 +203,33 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Adds each running sequence's next token (or prompt chunk); returns the budget left."""
+        # Decodes not yet scheduled: each keeps one token of the budget and one free block
+        # from the proposals of the sequences before it.
+        decodes_left = sum(map(_is_decode, self.running))
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            decoding = _is_decode(seq)
+            decodes_left -= decoding
             if self._passes_recompute_length(seq):
                 self._preempt(seq)
                 out.preempted.append(seq)
                 continue
             remaining = seq.num_tokens - seq.num_computed_tokens
-            q = 1 if _is_decode(seq) else self._prefill_tokens(seq, remaining, budget)
+            q = 1 if decoding else self._prefill_tokens(seq, remaining, budget)
             if q == 0:  # a prompt chunk held back by the prefill cap
                 continue
-            # Proposals (`jaxpaged.spec_decode`) ride along where the budget and blocks allow.
-            spec = seq.spec_token_ids[:budget - 1] if q == 1 and _is_decode(seq) else []
+            # Proposals (`jaxpaged.spec_decode`) ride along as far as the budget and the free
+            # blocks allow once the later decodes have theirs; cut to fit, never a preemption.
+            spec = seq.spec_token_ids[:max(0, budget - 1 - decodes_left)] if decoding else []
             seq.spec_token_ids = []
-            if spec and not self.block_manager.can_append(seq, 1 + len(spec)):
-                spec = []
+            while spec and not self._spec_fits(seq, len(spec), decodes_left):
+                spec = spec[:-1]
             q += len(spec)
             while not self.block_manager.can_append(seq, q):
-                victim = self._victim()
+                victim = self._victim(out)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -232,6 +241,16 @@ class Scheduler:
                 out.spec_token_ids.append(spec)
                 budget -= q
         return budget
+
+    def _spec_fits(self, seq: Sequence, num_spec: int, decodes_left: int) -> bool:
+        """Whether `seq`'s token and `num_spec` proposals fit in the free blocks with one block
+        still free for each of the `decodes_left` decodes after it."""
+        bm = self.block_manager
+        if not bm.can_append(seq, 1 + num_spec):
+            return False
+        needed = max(0, bm.num_blocks_needed(seq.num_computed_tokens + 1 + num_spec)
+                     - len(seq.block_table))
+        return bm.num_free_blocks - needed >= decodes_left
 
     def _passes_recompute_length(self, seq: Sequence) -> bool:
         """Whether `seq` is about to decode its first token past `recompute_at`: its K/V in the

@@ -101,3 +101,24 @@ def test_server_priority_through_openai_client(tiny_model_dir):
             client.completions.create(model="tiny", prompt="Hi", max_tokens=2,
                                       extra_body={"priority": 1})
         assert e.value.body["param"] == "priority"
+
+
+def test_block_pressure_never_preempts_a_sequence_already_in_the_step(tiny_model_dir, make_llm):
+    """A high-priority sequence admitted after a low one and short of blocks preempts the low
+    one only before the low one is in the step's batch: both finish as they do alone."""
+    llm = make_llm(tiny_model_dir, max_model_len=16, num_kv_blocks=4, block_size=4,
+                   max_num_seqs=4, scheduling_policy="priority")
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = {"low": [11, 12, 13, 14, 15], "high": [21, 22, 23, 24, 25, 26, 27, 28]}
+    engine.add_request({"prompt_token_ids": prompts["low"]}, params, "low", priority=1)
+    engine.step()
+    engine.add_request({"prompt_token_ids": prompts["high"]}, params, "high", priority=0)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    for name, ids in prompts.items():
+        [alone] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        assert done[name].finish_reason == "length"
+        assert done[name].token_ids == alone.outputs[0].token_ids
+    assert llm.stats()["num_preemptions"] >= 1
