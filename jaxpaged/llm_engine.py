@@ -307,9 +307,6 @@ class LLMEngine:
         self.executor = FaultIsolatingExecutor(self.runner)
         self.proposer = (None if self.speculative_config is None
                          else self._make_proposer(self.speculative_config, backend, cache_dir))
-        self.num_spec_drafts = 0  # speculative decoding's totals: steps a sequence proposed in,
-        self.num_spec_draft_tokens = 0  # tokens proposed,
-        self.num_spec_accepted_tokens = 0  # and tokens accepted
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(seed)  # seeds of requests that give none
         self._request_ids = itertools.count()
@@ -720,11 +717,6 @@ class LLMEngine:
         now = time.time()
         update = self.scheduler.update_from_output(out, sampled, set(failed))
         self.num_prompt_tokens += update.num_prompt_tokens
-        for row, proposals in enumerate(out.spec_token_ids):
-            if proposals and out.seqs[row].request_id not in failed:
-                self.num_spec_drafts += 1
-                self.num_spec_draft_tokens += len(proposals)
-                self.num_spec_accepted_tokens += len(sampled[row]) - 1
         for row, lps in prompt_lps.items():
             request = self.requests[out.seqs[row].request_id]
             if request.request_id not in failed and request.prompt_logprobs is None:
@@ -882,10 +874,10 @@ class LLMEngine:
             "kv_cache_bytes_per_token": kv_cache_bytes_per_token(self.model_config,
                                                                  self.kv_cache_dtype),
             **({} if self.proposer is None else {
-                "num_spec_drafts": self.num_spec_drafts,
-                "num_spec_draft_tokens": self.num_spec_draft_tokens,
-                "num_spec_accepted_tokens": self.num_spec_accepted_tokens,
-                "spec_acceptance_rate": (self.num_spec_accepted_tokens
-                                         / max(1, self.num_spec_draft_tokens)),
+                "num_spec_drafts": scheduler.num_spec_drafts,
+                "num_spec_draft_tokens": scheduler.num_spec_draft_tokens,
+                "num_spec_accepted_tokens": scheduler.num_spec_accepted_tokens,
+                "spec_acceptance_rate": (scheduler.num_spec_accepted_tokens
+                                         / max(1, scheduler.num_spec_draft_tokens)),
             }),
         }

@@ -465,11 +465,10 @@ class ModelRunner:
         self.kv_cache = self._copy_blocks(self.kv_cache, src, dst)
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int],
-                spec_token_ids: list[list[int]] | None = None,
-                logits_indices: np.ndarray | None = None) -> ModelInput:
+                spec_token_ids: list[list[int]] | None = None) -> ModelInput:
         """The step's sequences packed on one token axis of T = `step_tokens` of their
-        tokens, in the order given (sequence i's logits are row i, or those of the tokens
-        `logits_indices` names); the backend's metadata for them. A row's `spec_token_ids`
+        tokens, in the order given (sequence i's logits are row i); the backend's metadata for
+        them. A row's `spec_token_ids`
         (speculative proposals) follow its own tokens and are counted in its `num_new_tokens`.
         """
         T = self.step_tokens(sum(num_new_tokens))
@@ -488,7 +487,7 @@ class ModelRunner:
             start += q
         md = self.backend.build(self.limits, T, [
             (seq.block_table, seq.num_computed_tokens, q) for seq, q in zip(seqs, num_new_tokens)])
-        return ModelInput(input_ids, positions, md, rope_seq_lens, logits_indices)
+        return ModelInput(input_ids, positions, md, rope_seq_lens)
 
     def prepare_sampling(self, samples: list[tuple[int, Sequence, int, list[int]]]
                          ) -> tuple[np.ndarray, SamplingMetadata]:

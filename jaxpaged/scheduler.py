@@ -115,6 +115,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        # Speculative decoding's totals: rows that verified proposals, tokens proposed, accepted.
+        self.num_spec_drafts = self.num_spec_draft_tokens = self.num_spec_accepted_tokens = 0
         # Prompts the step being built may still compute while something decodes (None: no cap).
         self._prefills_left: int | None = None
         # Padding of the step being built that capped prompt chunks may still take.
@@ -336,6 +338,9 @@ class Scheduler:
         seq.spec_num_drafts += 1
         seq.spec_num_draft_tokens += len(spec)
         seq.spec_num_accepted_tokens += accepted
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += len(spec)
+        self.num_spec_accepted_tokens += accepted
         seq.num_computed_tokens += 1 + accepted  # its last token and the accepted proposals
         appended = []
         for token in tokens:
