@@ -322,15 +322,9 @@ class OpenAIServing:
         if req.dimensions is not None:
             raise APIError("dimensions is not supported: this model's embeddings have one size "
                            "(its hidden size)", param="dimensions")
-        inputs = req.input
-        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
-            inputs = [inputs]
-        if not inputs:
-            raise APIError("input is empty", param="input")
         ids = []
-        for item in inputs:
+        for prompt in _split_prompts(req.input, "input"):
             try:
-                prompt = item if isinstance(item, str) else {"prompt_token_ids": list(item)}
                 ids.append((await self.engine.tokenize_prompt(prompt))[1])
             except ValueError as e:
                 raise APIError(str(e), param="input") from e
@@ -533,12 +527,13 @@ def _closing(events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncI
     return events
 
 
-def _split_prompts(prompt) -> list[str | dict]:
-    """The prompts of a completion request: one text or id list, or a list of them."""
+def _split_prompts(prompt, param: str = "prompt") -> list[str | dict]:
+    """The prompts of a completion (or embedding) request: one text or id list, or a list of
+    them; 400 naming `param` when there is none."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
-        raise APIError("prompt is empty", param="prompt")
+        raise APIError(f"{param} is empty", param=param)
     return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
