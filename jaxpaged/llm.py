@@ -256,12 +256,12 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, prompts, params, use_tqdm, priorities=None) -> list[RequestOutput]:
+    def _run(self, prompts, params, use_tqdm, priorities) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
-            for prompt, sp, priority in zip(prompts, params, priorities or [0] * len(prompts)):
+            for prompt, sp, priority in zip(prompts, params, priorities):
                 # Only the final output is kept: the engine need not build the others.
                 sp = copy.copy(sp)
                 sp.output_kind = RequestOutputKind.FINAL_ONLY

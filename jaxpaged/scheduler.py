@@ -320,11 +320,7 @@ class Scheduler:
             targets = [seq] + [self._fork_completion(seq, j) for j in range(1, len(sampled[row]))]
             seq.num_forks = 0
             for target, token in zip(targets, sampled[row]):
-                target.token_ids.append(token.token_id)
-                target.cumulative_logprob += token.logprob
-                if target.matcher is not None:
-                    target.matcher.consume_token(token.token_id)
-                self._check_stop(target)
+                self._append(target, token)
             appended.append((row, list(zip(targets, sampled[row]))))
         return StepUpdate(num_prompt_tokens, appended)
 
@@ -344,17 +340,22 @@ class Scheduler:
         seq.num_computed_tokens += 1 + accepted  # its last token and the accepted proposals
         appended = []
         for token in tokens:
-            seq.token_ids.append(token.token_id)
-            seq.cumulative_logprob += token.logprob
-            if seq.matcher is not None:
-                seq.matcher.consume_token(token.token_id)
+            self._append(seq, token)
             appended.append((seq, token))
-            self._check_stop(seq)
             if seq.is_finished:
                 return appended
         self.block_manager.trim(seq)
         self.block_manager.cache_full_blocks(seq)
         return appended
+
+    def _append(self, seq: Sequence, token: Sampled) -> None:
+        """Appends a sampled token to `seq` (its logprob, its grammar) and finishes `seq` if the
+        token ends it."""
+        seq.token_ids.append(token.token_id)
+        seq.cumulative_logprob += token.logprob
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token.token_id)
+        self._check_stop(seq)
 
     def _fork_completion(self, parent: Sequence, j: int) -> Sequence:
         """The j-th completion of `parent`'s request, sharing its blocks; seeded `seed + j`."""
