@@ -125,6 +125,10 @@ class LLM:
         "num_speculative_tokens": k}` (a draft model with the target's vocabulary), and
         `disable_by_batch_size`. Outputs are the target's own draws (greedy ids equal to
         decoding without it); acceptance is in each output's `metrics` and in `stats()`.
+      reasoning_parser: "qwen3" or "deepseek_r1" for a model that thinks between `<think>`
+        and `</think>` (each one token of its tokenizer): a request's `structured_outputs`
+        then constrain only the answer after `</think>` (vLLM's behaviour), and `jaxpaged
+        serve --reasoning-parser` returns the thinking as `reasoning_content`.
 
     Raises:
       ValueError: an unknown model or an out-of-range setting, naming it.
@@ -145,7 +149,8 @@ class LLM:
                  compilation_cache_dir: str | os.PathLike | None = "auto",
                  batch_invariant: bool = False, quantization: str | None = "auto",
                  kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None,
-                 generation_config: str | os.PathLike | None = "auto"):
+                 generation_config: str | os.PathLike | None = "auto",
+                 reasoning_parser: str | None = None):
         if coordinator_address is not None:
             init_distributed(coordinator_address, num_processes, process_id)
         elif num_processes != 1:
@@ -168,7 +173,8 @@ class LLM:
                                     batch_invariant=batch_invariant,
                                     quantization=resolve_quantization(quantization, model),
                                     kv_cache_dtype=kv_cache_dtype,
-                                    speculative_config=speculative_config)
+                                    speculative_config=speculative_config,
+                                    reasoning_parser=reasoning_parser)
         self._dense_forward = None  # jitted on first use
         if generation_config in (None, "vllm"):
             self.generation_defaults = {}
@@ -231,8 +237,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None
-             ) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, via the model's chat template.
 
         Args:
@@ -242,6 +248,8 @@ class LLM:
             (exclusive with `add_generation_prompt`).
           tools: OpenAI-style tool definitions, passed to the chat template (the output is
             not parsed; constrain it with `StructuredOutputsParams` to get calls).
+          chat_template_kwargs: extra template variables (`{"enable_thinking": False}` for
+            Qwen3), as vLLM's `LLM.chat`.
 
         Raises:
           ValueError: an empty conversation, or one the chat template rejects.
@@ -252,7 +260,8 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text, ids = self.llm_engine.chat_prompt(conversation, add_generation_prompt,
-                                                    continue_final_message, tools)
+                                                    continue_final_message, tools,
+                                                    chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

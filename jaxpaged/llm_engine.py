@@ -43,7 +43,7 @@ from jaxpaged.spec_decode import (DraftModelProposer, NgramProposer, Speculative
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Scoring, Sequence
 from jaxpaged.stop_strings import StopStringState
-from jaxpaged.structured_outputs import GrammarCompiler
+from jaxpaged.structured_outputs import GrammarCompiler, ReasoningGate, think_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,8 @@ class LLMEngine:
                  compilation_cache_dir: str | os.PathLike | None = "auto",
                  batch_invariant: bool = False, quantization: str | None = None,
                  kv_cache_dtype: str = "auto",
-                 speculative_config: dict | str | SpeculativeConfig | None = None):
+                 speculative_config: dict | str | SpeculativeConfig | None = None,
+                 reasoning_parser: str | None = None):
         if not (precompile is None or isinstance(precompile, bool) or (
                 isinstance(precompile, (list, tuple)) and all(
                     isinstance(n, int) and not isinstance(n, bool) and n >= 1
@@ -298,6 +299,10 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.scheduler_config.max_model_len)
         self.eos_token_ids = self.runner.eos_token_ids = self._eos_token_ids(model_dir)
+        # With a reasoning parser, structured outputs apply after the thinking (ReasoningGate).
+        self.reasoning_parser = reasoning_parser
+        self.think_token_ids = (None if reasoning_parser is None
+                                else think_token_ids(self.tokenizer, reasoning_parser))
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
@@ -536,11 +541,11 @@ class LLMEngine:
         return self.input_processor.tokenize_prompt(prompt)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, tools: list[dict] | None = None
-                    ) -> tuple[str, list[int]]:
+                    continue_final_message: bool = False, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """`InputProcessor.chat_prompt`."""
         return self.input_processor.chat_prompt(messages, add_generation_prompt,
-                                                continue_final_message, tools)
+                                                continue_final_message, tools, template_kwargs)
 
     def add_request(self, prompt: str | dict, params: SamplingParams,
                     request_id: str | None = None, priority: int = 0) -> str:
@@ -581,6 +586,8 @@ class LLMEngine:
         seq.priority, seq.arrival = priority, next(self._arrivals)
         if params.structured_outputs is not None:
             seq.matcher = self.grammar_compiler.matcher(params.structured_outputs)
+            if self.think_token_ids is not None:
+                seq.matcher = ReasoningGate.for_prompt(seq.matcher, ids, self.think_token_ids)
         seq.num_forks = (params.best_of or params.n) - 1
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[request_id] = Request(request_id, text, ids, [seq], [detok],

@@ -6,7 +6,9 @@ sequence holds an `llguidance.LLMatcher`: before each draw it fills its row of t
 bitmask (`i32[R, ceil(V / 32)]`, bit t of word t // 32 set where token t is allowed), which the
 jitted sampler applies (`sampler.sample`), and it advances on the token drawn
 (`Scheduler.update_from_output`); once the grammar can take no more tokens the sequence
-finishes with finish_reason "stop". A compiled grammar is cached by its source, so a schema sent
+finishes with finish_reason "stop". With a reasoning parser (`LLM(reasoning_parser=...)`), the
+constraint waits for the reasoning to end: a `ReasoningGate` lets every token through until the
+model writes `</think>`, then the grammar applies to the answer (vLLM's behaviour). A compiled grammar is cached by its source, so a schema sent
 again costs a copy of its matcher, and is compiled where the request is validated, off the
 engine's step (the server does that on its preprocessing threads).
 """
@@ -134,6 +136,61 @@ class GrammarCompiler:
         return template.deep_copy()
 
 
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # both write their thinking inside these tags
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def think_token_ids(tokenizer, reasoning_parser: str) -> tuple[int, int]:
+    """(id of `<think>`, id of `</think>`): each must be one token of `tokenizer`.
+
+    Raises:
+      ValueError: an unknown `reasoning_parser`, or tags that are not single tokens.
+    """
+    if reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser {reasoning_parser!r} is not one of "
+                         f"{list(REASONING_PARSERS)}")
+    ids = []
+    for tag in (THINK_START, THINK_END):
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"reasoning_parser {reasoning_parser!r} needs {tag} as one token of "
+                             f"this model's tokenizer; it encodes as {encoded}")
+        ids.append(encoded[0])
+    return ids[0], ids[1]
+
+
+class ReasoningGate:
+    """A request's grammar held back until its reasoning ends: every token is allowed until
+    the `</think>` token (or from the start, if the prompt already closed the reasoning, as
+    Qwen3's template does with thinking off), then `matcher` constrains the answer. It answers
+    the calls the engine makes on an `llguidance.LLMatcher` (vLLM's structured outputs skip the
+    grammar the same way while `ReasoningParser.is_reasoning_end` is false)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, end_token_id: int, ended: bool):
+        self.matcher, self.end_token_id, self.ended = matcher, end_token_id, ended
+
+    @classmethod
+    def for_prompt(cls, matcher, prompt_token_ids: list[int], think_ids: tuple[int, int]
+                   ) -> "ReasoningGate":
+        """A gate for a request whose prompt is `prompt_token_ids`: the reasoning has ended
+        already if the prompt's last `</think>` comes after its last `<think>`."""
+        start, end = think_ids
+        last = {t: i for i, t in enumerate(prompt_token_ids) if t in think_ids}
+        return cls(matcher, end, last.get(end, -1) > last.get(start, -1))
+
+    def consume_token(self, token_id: int) -> bool:
+        if self.ended:
+            return self.matcher.consume_token(token_id)
+        self.ended = token_id == self.end_token_id
+        return True
+
+    def is_stopped(self) -> bool:
+        return self.ended and self.matcher.is_stopped()
+
+    def deep_copy(self) -> "ReasoningGate":
+        return ReasoningGate(self.matcher.deep_copy(), self.end_token_id, self.ended)
+
+
 def allocate_bitmask(num_rows: int, vocab_size: int):
     """i32[num_rows, ceil(V / 32)] with every token allowed."""
     bitmask = llguidance.numpy.allocate_token_bitmask(num_rows, vocab_size)
@@ -142,5 +199,11 @@ def allocate_bitmask(num_rows: int, vocab_size: int):
 
 
 def fill_bitmask(matcher: llguidance.LLMatcher, bitmask, row: int) -> None:
-    """Writes the tokens `matcher` allows next into `bitmask[row]`."""
+    """Writes the tokens `matcher` allows next into `bitmask[row]` (a gate still in the
+    reasoning allows every token)."""
+    if isinstance(matcher, ReasoningGate):
+        if not matcher.ended:
+            bitmask[row] = -1
+            return
+        matcher = matcher.matcher
     llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row)

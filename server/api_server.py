@@ -3,7 +3,7 @@
     jaxpaged serve [--model M] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/embeddings`,
-`GET /v1/models`,
+`POST /v1/responses` with `GET`/`DELETE /v1/responses/{id}` (`responses`), `GET /v1/models`,
 `GET /v1/models/{id}`, `GET /health`,
 `GET /version`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`. Errors carry OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`: 400 for invalid input (`param` names the
@@ -32,6 +32,7 @@ import jaxpaged
 from jaxpaged.async_llm_engine import AsyncLLMEngine
 from jaxpaged.server import protocol as api
 from jaxpaged.server.metrics import ServerMetrics
+from jaxpaged.server.responses import ResponsesRequest, ResponsesServing
 from jaxpaged.server.serving import APIError, OpenAIServing, parse_body
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,18 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                             tool_call_parser=tool_call_parser,
                             generation_defaults=generation_defaults,
                             reasoning_parser=reasoning_parser)
+
+    responses = ResponsesServing(serving)
+
+    async def create_response(request: Request) -> Response:
+        req = await _parse(request, ResponsesRequest)
+        return await _respond(request, responses.create(req))
+
+    async def stored_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            return JSONResponse(responses.delete(response_id))
+        return JSONResponse(responses.get(response_id).model_dump(mode="json"))
 
     async def completions(request: Request) -> Response:
         req = await _parse(request, api.CompletionRequest)
@@ -125,6 +138,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -33,7 +33,7 @@ from jaxpaged.server.reasoning import ReasoningStream
 from jaxpaged.server.reasoning import reasoning_parser as reasoning_parser_named
 from jaxpaged.server.tool_calls import (TOOL_CALL_PARSERS, NamedFunction, RequiredCalls,
                                         ToolCallStream, parameters_schema)
-from jaxpaged.structured_outputs import StructuredOutputsParams
+from jaxpaged.structured_outputs import StructuredOutputsParams, think_token_ids
 
 
 class APIError(Exception):
@@ -82,7 +82,8 @@ class OpenAIServing:
         """`tool_call_parser`: a name in `TOOL_CALL_PARSERS`, to allow `tool_choice="auto"`.
         `generation_defaults`: the sampling values a request leaves out (`LLM.generation_defaults`:
         the model's generation config), `max_tokens` among them. `reasoning_parser`: a name in
-        `reasoning.REASONING_PARSERS`, to return the thinking as `reasoning_content`.
+        `reasoning.REASONING_PARSERS`, to return the thinking as `reasoning_content` (None: the
+        engine's `reasoning_parser`, if it has one).
 
         Raises:
           ValueError: an unknown `tool_call_parser`."""
@@ -94,7 +95,18 @@ class OpenAIServing:
         self.on_finished = on_finished
         self.tool_call_parser = tool_call_parser
         self.defaults = dict(generation_defaults or {})
+        # The engine holds structured outputs back until the reasoning ends when it was built
+        # with the same parser (`LLM(reasoning_parser=...)`); the server follows the engine's.
+        engine_parser = getattr(engine.engine, "reasoning_parser", None)
+        reasoning_parser = reasoning_parser or engine_parser
         self.reasoning = reasoning_parser_named(reasoning_parser)
+        self.constraints_after_reasoning = engine_parser == reasoning_parser
+        self.think_token_ids = None  # (<think>, </think>) ids, to count reasoning tokens
+        if reasoning_parser is not None:
+            try:
+                self.think_token_ids = think_token_ids(engine.engine.tokenizer, reasoning_parser)
+            except ValueError:  # tags of several tokens: the text is split all the same
+                pass
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -349,20 +361,44 @@ class OpenAIServing:
         Raises:
           APIError: 400 for invalid parameters or messages, 404 for an unknown model.
         """
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams, tool_calls = await self.start_chat(req, request_id)
+        if req.stream:
+            return _closing(self._chat_stream(req, request_id, streams, tool_calls), streams)
+        [final] = await self._final_outputs(streams)
+        choices = []
+        for c in final.outputs:
+            reasoning, message, finish_reason = self.assistant_message(c, tool_calls)
+            choices.append(api.ChatChoice(
+                index=c.index, message=message, finish_reason=finish_reason,
+                logprobs=self._chat_logprobs(req, c.token_ids, c.logprobs),
+                stop_reason=c.stop_reason))
+        return api.ChatCompletionResponse(id=request_id, model=self.model_name,
+                                          choices=choices, usage=self._usage([final]))
+
+    async def start_chat(self, req: api.ChatCompletionRequest, request_id: str
+                         ) -> tuple[list[RequestStream], Callable[[], ToolCallStream] | None]:
+        """Checks a chat request, renders its prompt and adds it to the engine: its stream,
+        and what reads its tool calls (`_tool_calls`). Shared with `/v1/responses`.
+
+        Raises:
+          APIError: 400 for invalid parameters or messages, 404 for an unknown model.
+        """
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         tool_calls = await self._tool_calls(req)
-        if self.reasoning is not None and _has_constraint(req):
-            raise APIError("structured outputs and required or named tool calls are not "
-                           "supported with --reasoning-parser (the constraint would apply to "
-                           "the reasoning too)", param=req.constraint_field)
+        if (self.reasoning is not None and not self.constraints_after_reasoning
+                and _has_constraint(req)):
+            raise APIError("structured outputs and required or named tool calls need the "
+                           "engine built with the server's reasoning parser (`LLM(reasoning_"
+                           "parser=...)`), or the constraint would apply to the reasoning too",
+                           param=req.constraint_field)
         prompt = await self.chat_prompt(req.messages, req.add_generation_prompt,
                                         req.continue_final_message, req.tools,
                                         req.chat_template_kwargs)
         requested = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-
         max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
 
         def make_params(ids):
@@ -370,27 +406,23 @@ class OpenAIServing:
                 self._max_tokens(requested, len(ids), "messages", max_param), logprobs,
                 defaults=self.defaults)
 
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, [prompt], make_params, {
             "prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_param,
             "structured_outputs": req.constraint_field}, req.priority)
-        if req.stream:
-            return _closing(self._chat_stream(req, request_id, streams, tool_calls), streams)
-        [final] = await self._final_outputs(streams)
-        choices = []
-        for c in final.outputs:
-            reasoning, answer = (None, c.text) if self.reasoning is None \
-                else self.reasoning.split(c.text)
-            message, finish_reason = _assistant_message(answer or "", c.finish_reason, tool_calls)
-            message.reasoning_content = reasoning
-            if reasoning is not None and answer is None and not message.tool_calls:
-                message.content = None
-            choices.append(api.ChatChoice(
-                index=c.index, message=message, finish_reason=finish_reason,
-                logprobs=self._chat_logprobs(req, c.token_ids, c.logprobs),
-                stop_reason=c.stop_reason))
-        return api.ChatCompletionResponse(id=request_id, model=self.model_name,
-                                          choices=choices, usage=self._usage([final]))
+        return streams, tool_calls
+
+    def assistant_message(self, c: CompletionOutput,
+                          tool_calls: Callable[[], ToolCallStream] | None
+                          ) -> tuple[str | None, api.AssistantMessage, str | None]:
+        """(reasoning, message, finish reason) of a finished completion: its thinking split off
+        by the reasoning parser, its answer read for tool calls."""
+        reasoning, answer = (None, c.text) if self.reasoning is None \
+            else self.reasoning.split(c.text)
+        message, finish_reason = _assistant_message(answer or "", c.finish_reason, tool_calls)
+        message.reasoning_content = reasoning
+        if reasoning is not None and answer is None and not message.tool_calls:
+            message.content = None
+        return reasoning, message, finish_reason
 
     async def _tool_calls(self, req: api.ChatCompletionRequest
                           ) -> Callable[[], ToolCallStream] | None:

@@ -4,13 +4,16 @@ official `openai` client; `chat_template_kwargs` reach the template."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 from server_utils import ServerThread
 
-from jaxpaged import LLM
+from jaxpaged import LLM, SamplingParams
 from jaxpaged.server.reasoning import reasoning_parser
+from jaxpaged.structured_outputs import StructuredOutputsParams
 
 
 CHAIN = "<think>Let me see.</think>Paris"
@@ -88,12 +91,13 @@ def thinking_model_dir(tmp_path_factory, default_model_dir):
 
 
 def test_reasoning_content_apart_streamed_and_not(thinking_model_dir):
-    llm = LLM(thinking_model_dir, max_model_len=256, num_kv_blocks=64, precompile=False)
+    llm = LLM(thinking_model_dir, max_model_len=256, num_kv_blocks=64, precompile=False,
+              reasoning_parser="qwen3")
     llm.get_tokenizer().chat_template = TEMPLATE
     messages = [{"role": "user", "content": "Capital of France?"}]
     [plain] = llm.chat(messages, use_tqdm=False)
     assert plain.outputs[0].text == CHAIN  # the model says its chain
-    with ServerThread(llm, "tiny", reasoning_parser="qwen3") as server:
+    with ServerThread(llm, "tiny") as server:  # the engine's reasoning parser
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(model="tiny", messages=messages, temperature=0)
         message = r.choices[0].message
@@ -113,8 +117,82 @@ def test_reasoning_content_apart_streamed_and_not(thinking_model_dir):
             model="tiny", messages=messages, max_tokens=1,
             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert off.usage.prompt_tokens > on.usage.prompt_tokens
-        # a structured output would constrain the reasoning too: refused, naming the field
+
+
+def test_constraints_apply_after_reasoning(thinking_model_dir):
+    """A structured output and a named tool call constrain the answer after `</think>`, not
+    the reasoning: the model still thinks its own text, then answers within the constraint
+    (it would say "Paris", which the choice leaves out)."""
+    llm = LLM(thinking_model_dir, max_model_len=256, num_kv_blocks=64, precompile=False,
+              reasoning_parser="qwen3")
+    llm.get_tokenizer().chat_template = TEMPLATE
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    with ServerThread(llm, "tiny") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                           max_tokens=40,
+                                           extra_body={"guided_choice": ["London", "Rome"]})
+        message = r.choices[0].message
+        assert message.model_extra["reasoning_content"] == "Let me see."
+        assert message.content in ("London", "Rome") and r.choices[0].finish_reason == "stop"
+        reasoning, content = "", ""
+        for chunk in client.chat.completions.create(
+                model="tiny", messages=messages, temperature=0, max_tokens=40, stream=True,
+                extra_body={"guided_choice": ["London", "Rome"]}):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            if delta is not None:
+                reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+                content += delta.content or ""
+        assert (reasoning, content) == ("Let me see.", message.content)
+        tool = {"type": "function", "function": {"name": "capital", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"], "additionalProperties": False}}}
+        r = client.chat.completions.create(
+            model="tiny", messages=messages, temperature=0, max_tokens=60, tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "capital"}})
+        message = r.choices[0].message
+        assert message.model_extra["reasoning_content"] == "Let me see."
+        [call] = message.tool_calls
+        assert call.function.name == "capital" and "city" in json.loads(call.function.arguments)
+        # /v1/responses: the thinking is a reasoning item before the message, streamed too
+        r = client.responses.create(model="tiny", input="Capital of France?", temperature=0)
+        assert [item.type for item in r.output] == ["reasoning", "message"]
+        assert r.output[0].content[0].text == "Let me see." and r.output_text == "Paris"
+        assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+        events = list(client.responses.create(model="tiny", input="Capital of France?",
+                                              temperature=0, stream=True))
+        assert "".join(e.delta for e in events
+                       if e.type == "response.reasoning_text.delta") == "Let me see."
+        assert "".join(e.delta for e in events
+                       if e.type == "response.output_text.delta") == "Paris"
+        assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+    # Thinking off in the prompt (the template closes the think block): constrained at once.
+    [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20, structured_outputs=(
+        StructuredOutputsParams(choice=["London", "Rome"]))), use_tqdm=False,
+        chat_template_kwargs={"enable_thinking": False})
+    assert out.outputs[0].text in ("London", "Rome")
+
+
+def test_server_parser_without_engine_parser_refuses_constraints(thinking_model_dir):
+    """A server parser over an engine built without one: a constraint would apply to the
+    reasoning, so it is a 400 naming the field; plain chats still split the reasoning."""
+    llm = LLM(thinking_model_dir, max_model_len=256, num_kv_blocks=64, precompile=False)
+    llm.get_tokenizer().chat_template = TEMPLATE
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    with ServerThread(llm, "tiny", reasoning_parser="qwen3") as server:
         r = httpx.post(f"{server.url}/v1/chat/completions", json={
             "model": "tiny", "messages": messages,
             "response_format": {"type": "json_object"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={
+            "model": "tiny", "messages": messages, "temperature": 0})
+        assert r.json()["choices"][0]["message"]["reasoning_content"] == "Let me see."
+
+
+def test_engine_reasoning_parser_checked(thinking_model_dir, default_model_dir):
+    with pytest.raises(ValueError, match="reasoning_parser 'o1' is not one of"):
+        LLM(thinking_model_dir, max_model_len=256, num_kv_blocks=64, precompile=False,
+            reasoning_parser="o1")
+    with pytest.raises(ValueError, match="needs <think> as one token"):
+        LLM(default_model_dir, max_model_len=256, num_kv_blocks=64, precompile=False,
+            reasoning_parser="qwen3")

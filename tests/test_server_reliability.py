@@ -497,7 +497,7 @@ def test_fuzzed_chat_completions_never_fail_the_server(server, body):
 
 # -- 9. soak ----------------------------------------------------------------------------------
 
-SOAK_SECONDS = 50
+SOAK_SECONDS = 30
 FINDINGS = [  # (path, body, expected status): one of each finding above
     ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "logprobs": 0},
      200),
@@ -513,7 +513,7 @@ FINDINGS = [  # (path, body, expected status): one of each finding above
 
 
 def test_soak_64_clients(server):
-    """64 clients for about a minute: completions and chat, streamed and not, some leaving
+    """64 clients for half a minute: completions and chat, streamed and not, some leaving
     early, a few malformed bodies, and each finding above once. No 5xx, and afterwards nothing
     running or waiting and every block free."""
     statuses: list[tuple[int, str]] = []
@@ -569,7 +569,7 @@ def test_soak_64_clients(server):
             await asyncio.gather(*[client(i, http, deadline) for i in range(64)])
 
     asyncio.run(run())
-    assert len(statuses) > 200
+    assert len(statuses) > 100
     assert not [s for s in statuses if s[0] >= 500], [s for s in statuses if s[0] >= 500][:5]
     assert {s for s, _ in statuses} <= {200, 400}
     _wait_idle(server)

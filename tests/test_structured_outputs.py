@@ -46,13 +46,13 @@ def constrained(**kw) -> StructuredOutputsParams:
 
 def test_sampled_outputs_meet_a_nested_schema(llm):
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=256,
-                             structured_outputs=constrained(json=SCHEMA)) for i in range(24)]
-    outputs = llm.chat([QUESTION] * 24, params, use_tqdm=False)
+                             structured_outputs=constrained(json=SCHEMA)) for i in range(12)]
+    outputs = llm.chat([QUESTION] * 12, params, use_tqdm=False)
     for out in outputs:
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", completion.text
         jsonschema.validate(json.loads(completion.text), SCHEMA)
-    assert len({o.outputs[0].text for o in outputs}) > 20  # sampled, not one answer
+    assert len({o.outputs[0].text for o in outputs}) > 9  # sampled, not one answer
 
 
 def test_regex_and_choice(llm):

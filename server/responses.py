@@ -1,0 +1,537 @@
+"""`/v1/responses`: OpenAI's Responses API, served through the chat path.
+
+A request's `instructions` (a system message) and `input` (a string, or a list of `message`,
+`function_call` and `function_call_output` items; `reasoning` items are dropped) become a chat
+conversation under the chat template; `tools` (functions), `tool_choice`, `text.format`,
+`max_output_tokens`, `temperature` and `top_p` map onto a chat completion's fields, so a
+request is checked and run as `/v1/chat/completions` runs it (tool-call parsing, structured
+outputs, the reasoning parser). The response's `output` lists a `reasoning` item (with a
+reasoning parser), the `message` and each `function_call`. Streamed, it is OpenAI's typed
+events, each an SSE `event:` line with its `data:`: `response.created`,
+`response.in_progress`, then per item `response.output_item.added`, its deltas
+(`response.reasoning_text.delta`, `response.content_part.added` +
+`response.output_text.delta`, `response.function_call_arguments.delta`), their `.done`
+events and `response.output_item.done`, and last `response.completed` (`response.incomplete`
+when `max_output_tokens` cut it, `response.failed` when the engine failed it).
+
+`store` (OpenAI's default true) keeps a finished response and its conversation in this
+process's memory, the newest `MAX_STORED_RESPONSES`: `previous_response_id` continues that
+conversation (its instructions are not carried over, as in OpenAI's API), and
+`GET`/`DELETE /v1/responses/{id}` read and drop it. Nothing survives a restart; `store: false`
+keeps nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from jaxpaged.errors import EngineDeadError, RequestFailedError
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.server import protocol as api
+from jaxpaged.server.serving import APIError, OpenAIServing, _closing, _failed, parse_body
+from jaxpaged.server.tool_calls import FUNCTION_NAME_PATTERN
+
+MAX_STORED_RESPONSES = 1024
+
+
+# -- request ---------------------------------------------------------------------------------
+
+class InputText(api._Request):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # an earlier output's, sent back: not used
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(api._Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(api._Request):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(api._Request):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningItem(api._Request):
+    """An earlier response's reasoning sent back: dropped (chat templates leave it out)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] | None = None
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+                      Field(discriminator="type")]
+
+
+class FunctionTool(api._Request):
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionToolChoice(api._Request):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(api._Request):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(api._Request):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(api._Request):
+    """`POST /v1/responses` (OpenAI's fields this server serves; `priority` is vLLM's)."""
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None  # accepted, unused
+    background: bool = False  # true is refused: responses run in the foreground
+    truncation: Literal["disabled", "auto"] = "disabled"  # "auto" is refused
+    priority: int = 0
+
+    @classmethod
+    def _item_type(cls, item):
+        # An item without a type is a message (OpenAI's EasyInputMessage).
+        if isinstance(item, dict) and "type" not in item and "role" in item:
+            return {"type": "message", **item}
+        return item
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _messages_typed(cls, value):
+        return [cls._item_type(item) for item in value] if isinstance(value, list) else value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value):
+        # OpenAI's limits: 16 pairs, keys of at most 64 characters, values of at most 512.
+        if value is not None and (len(value) > 16 or any(
+                len(k) > 64 or len(v) > 512 for k, v in value.items())):
+            raise ValueError("metadata holds at most 16 pairs, keys of at most 64 characters "
+                             "and values of at most 512")
+        return value
+
+
+# -- the served route ------------------------------------------------------------------------
+
+class Response(BaseModel):
+    """The response object (`object: "response"`); items are plain dicts of OpenAI's shapes."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    completed_at: int | None = None
+    model: str
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: dict | None = None
+    incomplete_details: dict | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    output: list[dict] = Field(default_factory=list)
+    parallel_tool_calls: bool
+    previous_response_id: str | None = None
+    store: bool
+    temperature: float
+    top_p: float
+    text: dict
+    tool_choice: str | dict
+    tools: list[dict]
+    truncation: str
+    metadata: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+    usage: dict | None = None
+
+
+# Error params of the chat path, named as this route's fields.
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+           "max_tokens": "max_output_tokens", "response_format": "text",
+           "structured_outputs": "text"}
+
+
+class ResponsesServing:
+    """`/v1/responses` for one `OpenAIServing`, with the stored responses."""
+
+    def __init__(self, serving: OpenAIServing, max_stored: int = MAX_STORED_RESPONSES):
+        self.serving = serving
+        self.max_stored = max_stored
+        # id -> (the response, its conversation: chat messages without instructions)
+        self.stored: collections.OrderedDict[str, tuple[Response, list[dict]]] = \
+            collections.OrderedDict()
+
+    async def create(self, req: ResponsesRequest) -> Response | AsyncIterator[str]:
+        """The response, or an iterator of SSE strings when `req.stream`.
+
+        Raises:
+          APIError: 400 naming the field (an unknown `previous_response_id` included), 404
+            for an unknown model.
+        """
+        if req.background:
+            raise APIError("background responses are not supported", param="background")
+        if req.truncation != "disabled":
+            raise APIError('truncation "auto" is not supported: a conversation past the '
+                           "context length is a 400", param="truncation")
+        history = []
+        if req.previous_response_id is not None:
+            if req.previous_response_id not in self.stored:
+                raise APIError(f"Previous response with id {req.previous_response_id!r} not "
+                               "found (responses are kept in this server's memory, when "
+                               "created with store true)", param="previous_response_id")
+            history = self.stored[req.previous_response_id][1]
+        conversation = history + _messages(req.input)
+        chat = self._chat_request(req, conversation)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        try:
+            streams, tool_calls = await self.serving.start_chat(chat, response_id)
+        except APIError as e:
+            e.param = _PARAMS.get(e.param, e.param)
+            raise
+        head = self._response(req, response_id)
+        if req.stream:
+            return _closing(self._events(req, head, conversation, streams, tool_calls), streams)
+        [final] = await self.serving._final_outputs(streams)
+        c = final.outputs[0]
+        reasoning, message, finish_reason = self.serving.assistant_message(c, tool_calls)
+        if reasoning is not None:
+            head.output.append(_reasoning_item(_id("rs"), reasoning, "completed"))
+        if message.content is not None and (message.content or not message.tool_calls):
+            head.output.append(_message_item(_id("msg"), message.content, "completed"))
+        head.output += [_call_item(_id("fc"), call.id, call.function.name,
+                                   call.function.arguments, "completed")
+                        for call in message.tool_calls]
+        self._finish(req, head, final, len(c.token_ids), c.finish_reason, reasoning, c.token_ids)
+        self._store(req, head, conversation)
+        return head
+
+    def get(self, response_id: str) -> Response:
+        """A stored response; 404 if there is none of that id."""
+        if response_id not in self.stored:
+            raise APIError(f"Response with id {response_id!r} not found.", 404,
+                           code="not_found")
+        return self.stored[response_id][0]
+
+    def delete(self, response_id: str) -> dict:
+        self.get(response_id)
+        del self.stored[response_id]
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _chat_request(self, req: ResponsesRequest, conversation: list[dict]
+                      ) -> api.ChatCompletionRequest:
+        """The chat completion request this response runs as."""
+        messages = ([{"role": "system", "content": req.instructions}]
+                    if req.instructions is not None else []) + conversation
+        chat: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
+                                "parallel_tool_calls": req.parallel_tool_calls,
+                                "priority": req.priority}
+        for name in ("temperature", "top_p"):  # left out: the model's defaults apply
+            if name in req.model_fields_set:
+                chat[name] = getattr(req, name)
+        if req.max_output_tokens is not None:
+            chat["max_completion_tokens"] = req.max_output_tokens
+        if req.tools:
+            chat["tools"] = [{"type": "function", "function": t.model_dump(
+                exclude={"type"}, exclude_none=True)} for t in req.tools]
+        if isinstance(req.tool_choice, FunctionToolChoice):
+            chat["tool_choice"] = {"type": "function",
+                                   "function": {"name": req.tool_choice.name}}
+        elif req.tool_choice is not None:
+            chat["tool_choice"] = req.tool_choice
+        fmt = req.text.format if req.text is not None else None
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.schema_ is None:
+                raise APIError("text.format of type json_schema needs a schema", param="text")
+            chat["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}}
+        elif fmt is not None and fmt.type == "json_object":
+            chat["response_format"] = {"type": "json_object"}
+        try:
+            return parse_body(api.ChatCompletionRequest, chat)
+        except APIError as e:
+            e.param = _PARAMS.get(e.param, e.param)
+            raise
+
+    def _response(self, req: ResponsesRequest, response_id: str) -> Response:
+        """The response as created: in progress, no output yet, the request's settings."""
+        defaults = self.serving.defaults
+        value = {name: getattr(req, name) if name in req.model_fields_set
+                 else defaults.get(name, getattr(req, name)) for name in ("temperature", "top_p")}
+        choice = req.tool_choice or ("auto" if req.tools else "none")
+        return Response(
+            id=response_id, created_at=int(time.time()), model=self.serving.model_name,
+            status="in_progress", instructions=req.instructions,
+            max_output_tokens=req.max_output_tokens,
+            parallel_tool_calls=req.parallel_tool_calls,
+            previous_response_id=req.previous_response_id, store=req.store,
+            text={"format": ({"type": "text"} if req.text is None or req.text.format is None
+                             else req.text.format.model_dump(by_alias=True, exclude_none=True))},
+            tool_choice=(choice.model_dump() if isinstance(choice, BaseModel) else choice),
+            tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
+            truncation=req.truncation, metadata=req.metadata or {}, user=req.user, **value)
+
+    def _finish(self, req, response: Response, final: RequestOutput, num_output_tokens: int,
+                finish_reason: str | None, reasoning: str | None, token_ids: list[int]) -> None:
+        """Sets a finished response's status and usage."""
+        response.completed_at = int(time.time())
+        if finish_reason == "length":
+            response.status = "incomplete"
+            response.incomplete_details = {"reason": "max_output_tokens"}
+        else:
+            response.status = "completed"
+        num_input = len(final.prompt_token_ids)
+        response.usage = {
+            "input_tokens": num_input,
+            "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+            "output_tokens": num_output_tokens,
+            "output_tokens_details": {
+                "reasoning_tokens": self._reasoning_tokens(reasoning, token_ids)},
+            "total_tokens": num_input + num_output_tokens}
+
+    def _reasoning_tokens(self, reasoning: str | None, token_ids: list[int]) -> int:
+        """Output tokens up to and including `</think>` (all of them if it never came)."""
+        think = self.serving.think_token_ids
+        if reasoning is None or think is None:
+            return 0
+        return token_ids.index(think[1]) + 1 if think[1] in token_ids else len(token_ids)
+
+    def _store(self, req: ResponsesRequest, response: Response, conversation: list[dict]
+               ) -> None:
+        """Keeps a finished response (with `store`) and its conversation: the input messages
+        and the assistant's answer and calls."""
+        if not req.store:
+            return
+        text = "".join(part["text"] for item in response.output if item["type"] == "message"
+                       for part in item["content"])
+        calls = [{"id": item["call_id"], "type": "function", "function": {
+            "name": item["name"], "arguments": item["arguments"]}}
+            for item in response.output if item["type"] == "function_call"]
+        answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls
+                                                           else {})}
+        self.stored[response.id] = (response, conversation + [answer])
+        while len(self.stored) > self.max_stored:
+            self.stored.popitem(last=False)
+
+    async def _events(self, req: ResponsesRequest, response: Response, conversation: list[dict],
+                      streams, tool_calls) -> AsyncIterator[str]:
+        """The typed events of a streamed response (module doc)."""
+        serving = self.serving
+        numbers = itertools.count()
+
+        def event(kind: str, **fields) -> str:
+            data = {"type": kind, "sequence_number": next(numbers), **fields}
+            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        snapshot = lambda: response.model_dump(mode="json")  # noqa: E731
+        yield event("response.created", response=snapshot())
+        yield event("response.in_progress", response=snapshot())
+        split = serving.reasoning.stream() if serving.reasoning is not None else None
+        reader = tool_calls() if tool_calls is not None else None
+        open_items: dict[str, int] = {}  # "reasoning" / "message" -> the open item's index
+        calls: dict[int, int] = {}  # tool call index -> its item's index
+        output, final, num_tokens, token_ids = response.output, None, 0, []
+
+        def close(kind: str):
+            index = open_items.pop(kind, None)
+            if index is None:
+                return
+            item = output[index]
+            item["status"] = "completed"
+            if kind == "reasoning":
+                text = item["content"][0]["text"]
+                yield event("response.reasoning_text.done", item_id=item["id"],
+                            output_index=index, content_index=0, text=text)
+            else:
+                part = item["content"][0]
+                yield event("response.output_text.done", item_id=item["id"],
+                            output_index=index, content_index=0, text=part["text"],
+                            logprobs=[])
+                yield event("response.content_part.done", item_id=item["id"],
+                            output_index=index, content_index=0, part=part)
+            yield event("response.output_item.done", output_index=index, item=item)
+
+        def close_calls():
+            for index in calls.values():
+                item = output[index]
+                if item["status"] == "in_progress":
+                    item["status"] = "completed"
+                    yield event("response.function_call_arguments.done", item_id=item["id"],
+                                output_index=index, name=item["name"],
+                                arguments=item["arguments"])
+                    yield event("response.output_item.done", output_index=index, item=item)
+
+        try:
+            async for _, out in serving._outputs(streams):
+                c = out.outputs[0]
+                done = c.finish_reason is not None
+                num_tokens += len(c.token_ids)
+                token_ids += c.token_ids
+                reasoning, text = (None, c.text) if split is None else split.feed(c.text, done)
+                content, deltas = (text or "", []) if reader is None \
+                    else reader.feed(text or "", done)
+                if reasoning:
+                    if "reasoning" not in open_items:
+                        open_items["reasoning"] = len(output)
+                        output.append(_reasoning_item(_id("rs"), "", "in_progress"))
+                        yield event("response.output_item.added", output_index=len(output) - 1,
+                                    item={**output[-1], "content": []})
+                    index = open_items["reasoning"]
+                    output[index]["content"][0]["text"] += reasoning
+                    yield event("response.reasoning_text.delta", item_id=output[index]["id"],
+                                output_index=index, content_index=0, delta=reasoning)
+                if content:
+                    for e in close("reasoning"):
+                        yield e
+                    if "message" not in open_items:
+                        open_items["message"] = len(output)
+                        output.append(_message_item(_id("msg"), "", "in_progress"))
+                        item = output[-1]
+                        yield event("response.output_item.added", output_index=len(output) - 1,
+                                    item={**item, "content": []})
+                        yield event("response.content_part.added", item_id=item["id"],
+                                    output_index=len(output) - 1, content_index=0,
+                                    part=item["content"][0])
+                    index = open_items["message"]
+                    output[index]["content"][0]["text"] += content
+                    yield event("response.output_text.delta", item_id=output[index]["id"],
+                                output_index=index, content_index=0, delta=content,
+                                logprobs=[])
+                for delta in deltas:
+                    for kind in ("reasoning", "message"):
+                        for e in close(kind):
+                            yield e
+                    arguments = delta["function"]["arguments"]
+                    if "id" in delta:  # a new call
+                        calls[delta["index"]] = len(output)
+                        output.append(_call_item(_id("fc"), delta["id"],
+                                                 delta["function"]["name"], "", "in_progress"))
+                        yield event("response.output_item.added", output_index=len(output) - 1,
+                                    item=output[-1])
+                    index = calls[delta["index"]]
+                    output[index]["arguments"] += arguments
+                    if arguments:
+                        yield event("response.function_call_arguments.delta",
+                                    item_id=output[index]["id"], output_index=index,
+                                    delta=arguments)
+                if done:
+                    final = out
+                    for kind in ("reasoning", "message"):
+                        for e in close(kind):
+                            yield e
+                    for e in close_calls():
+                        yield e
+            if final is None:
+                raise RequestFailedError("the request was aborted")
+        except (RequestFailedError, EngineDeadError) as e:
+            response.status = "failed"
+            response.error = {"code": "server_error", "message": str(_failed(e))}
+            yield event("response.failed", response=snapshot())
+            return
+        reasoning_text = next((item["content"][0]["text"] for item in output
+                               if item["type"] == "reasoning"), None)
+        c = final.outputs[0]
+        self._finish(req, response, final, num_tokens, c.finish_reason, reasoning_text,
+                     token_ids)
+        self._store(req, response, conversation)
+        kind = "response.incomplete" if response.status == "incomplete" else \
+            "response.completed"
+        yield event(kind, response=snapshot())
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": []}]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def _messages(input_: str | list) -> list[dict]:
+    """The chat messages of a request's `input` (module doc): function calls join the
+    assistant message before them, their outputs are `tool` messages."""
+    if isinstance(input_, str):
+        return [{"role": "user", "content": input_}]
+    if not input_:
+        raise APIError("input is empty", param="input")
+    messages: list[dict] = []
+    for item in input_:
+        if isinstance(item, MessageItem):
+            content = item.content if isinstance(item.content, str) else \
+                "\n".join(part.text for part in item.content)
+            # chat templates know "system", not OpenAI's newer "developer"
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": content})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": item.output})
+    if not messages:
+        raise APIError("input has no message", param="input")
+    return messages
