@@ -1,6 +1,6 @@
 """Speculative decoding: output tok/s with and without it, acceptance beside each speedup.
 
-    python bench/speculative.py                       # default model, n-gram, k = 4
+    python bench/speculative.py                       # default model, n-gram, k = 11
     python bench/speculative.py --draft-model PATH    # a draft model instead
 
 Workloads (greedy):
@@ -153,7 +153,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: embedded SmolLM2-135M-Instruct")
     p.add_argument("--draft-model", default=None, help="a draft model instead of n-grams")
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=8)
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=11,
+                   help="11: a verifying step of 12 tokens, a whole step bucket")
     p.add_argument("--prompt-lookup-max", type=int, default=3)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=64, help="requests at batch 32")

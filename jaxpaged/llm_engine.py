@@ -29,6 +29,7 @@ from jaxpaged.model_runner import ModelRunner, kv_cache_bytes_per_token, num_kv_
 from jaxpaged import gguf_import
 from jaxpaged.buckets import next_power_of_2
 from jaxpaged.models import load_config, load_model, pooled_hidden_states
+from jaxpaged.models.layers import enable_few_row_kernel
 from jaxpaged.models.quantization import QUANTIZATION_METHODS, quantize_model, weight_bytes
 from jaxpaged.pallas_kernels.reference import KV_CODE_DTYPES
 from jaxpaged.models.loader import flat_params, params_from_hf_weights
@@ -336,6 +337,9 @@ class LLMEngine:
         model = load_model(model_dir, self.model_config, self.dtype, backend, self.mesh,
                            readers)
         model = quantize_model(model, self.quantization, mesh=self.mesh)
+        if (self.mesh is None and self.dtype == jnp.float32 and jax.default_backend() == "cpu"
+                and os.environ.get("JAXPAGED_FEW_ROW_KERNEL", "1") != "0"):
+            enable_few_row_kernel(model)  # steps of a few tokens (verifications) on the kernel
         del readers
         _release_freed_memory()
         return model

@@ -85,6 +85,11 @@ def num_kv_blocks(config: ModelConfig, cache_config: CacheConfig, kv_dtype) -> i
     return int(cache_config.kv_cache_memory_bytes // bytes_per_block)
 
 
+def _uses_few_row_kernel(model: nnx.Module) -> bool:
+    """Whether the engine turned the few-row matmul kernel on in `model` (a program apart)."""
+    return any(getattr(node, "few_row_kernel", False) for _, node in nnx.iter_graph(model))
+
+
 class ModelRunner:
     def __init__(self, model: nnx.Module, cache_config: CacheConfig, num_blocks: int,
                  dtype, eos_token_ids: set[int] = frozenset(), max_num_seqs: int = 256,
@@ -138,6 +143,7 @@ class ModelRunner:
             self.backend.name, repr(self.limits),
             repr(sorted((path, spec[:2]) for path, spec in self.param_specs.items())),
             f"invariant={getattr(self.backend, 'invariant', False)}",
+            f"few_row_kernel={_uses_few_row_kernel(model)}",
             repr(None if self.mesh is None else self.mesh.devices.tolist())),
             None if self.mesh is None else list(self.mesh.devices.flat))
         # Test-only: called with each `SchedulerOutput` at the start of `execute`; a hook that

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.models.base import DenseBatch, ModelInput
+from jaxpaged.pallas_kernels import few_row_matmul as few_rows
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS, AttentionBackend, AttentionSpec
 
 COLUMN = (None, MODEL_AXIS)  # f[in, out] split on out
@@ -49,10 +50,49 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x32.astype(x.dtype)
 
 
+class Linear(nnx.Linear):
+    """`nnx.Linear` (the same parameters and results) whose matmul of a few rows runs the CPU
+    few-row kernel (`pallas_kernels.few_row_matmul`) once the engine turns `few_row_kernel` on
+    (`enable_few_row_kernel`)."""
+
+    few_row_kernel = False
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        if not (self.few_row_kernel and few_rows.fits(x, kernel)):
+            return super().__call__(x)
+        y = few_rows.few_row_matmul(x, kernel)
+        return y if self.bias is None else y + self.bias[...]
+
+
+class Embed(nnx.Embed):
+    """`nnx.Embed` whose `attend` (a tied LM head, `x @ embedding.T`) of a few rows runs the CPU
+    few-row kernel once the engine turns `few_row_kernel` on."""
+
+    few_row_kernel = False
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        table = self.embedding[...]
+        if not (self.few_row_kernel and few_rows.fits(x, table, transposed=True)):
+            return super().attend(x)
+        return few_rows.few_row_matmul(x, table, transposed=True)
+
+
+def enable_few_row_kernel(model: nnx.Module) -> int:
+    """Turns the few-row kernel on in `model`'s `Linear` and `Embed` layers (for an engine on
+    one CPU device with float32 weights); returns how many layers."""
+    count = 0
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, (Linear, Embed)):
+            node.few_row_kernel = True
+            count += 1
+    return count
+
+
 def linear(d_in: int, d_out: int, dtype, rngs: nnx.Rngs, bias: bool = False,
-           partition: tuple = (None, None)) -> nnx.Linear:
-    """An `nnx.Linear` kernel f[d_in, d_out] (and bias f[d_out]) with its partition spec."""
-    return nnx.Linear(
+           partition: tuple = (None, None)) -> Linear:
+    """A `Linear` kernel f[d_in, d_out] (and bias f[d_out]) with its partition spec."""
+    return Linear(
         d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
         kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), partition),
         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), partition[1:]))

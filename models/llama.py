@@ -24,7 +24,7 @@ from jaxpaged.models.base import DenseBatch, ModelInput
 from jaxpaged.pallas_kernels.backends import (MODEL_AXIS, AttentionBackend,
                                               make_attention_backend)
 from jaxpaged.models.config import LlamaConfig
-from jaxpaged.models.layers import COLUMN, DecoderLayer, RMSNorm, linear
+from jaxpaged.models.layers import COLUMN, DecoderLayer, Embed, RMSNorm, linear
 from jaxpaged.models.rope import longrope_use_long, rope_cos_sin
 
 # (HF name, our parameter path, transpose, (part, parts) of a stacked parameter or None)
@@ -89,7 +89,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def _build(self, config: LlamaConfig, dtype, rngs: nnx.Rngs) -> None:
         # Vocabulary-parallel: the embedding f[V, D] and the LM head f[D, V] split on V.
-        self.embed_tokens = nnx.Embed(
+        self.embed_tokens = Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs,
             embedding_init=nnx.with_partitioning(nnx.initializers.variance_scaling(
                 1.0, "fan_in", "normal", out_axis=0), (MODEL_AXIS, None)))

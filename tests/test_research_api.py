@@ -173,8 +173,10 @@ def test_completion_logprobs_equal_transformers(make_llm, tiny_model_dir):
     for (p, c), lp in zip([(prompt, c) for c in completions] + [other], got):
         assert lp.dtype == np.float32 and lp.shape == (len(c),)
         np.testing.assert_allclose(lp, hf_teacher_forced(tiny_model_dir, p, c), atol=1e-4)
-    # one prompt for all, and one completion alone
-    np.testing.assert_array_equal(llm.completion_logprobs(prompt, completions[1])[0], got[1])
+    # one prompt for all, and one completion alone (another step composition: equal up to
+    # float32 summation order, bitwise only in batch-invariant mode)
+    np.testing.assert_allclose(llm.completion_logprobs(prompt, completions[1])[0], got[1],
+                               atol=1e-5)
     assert llm.completion_logprobs(prompt, [[]])[0].shape == (0,)
 
 
