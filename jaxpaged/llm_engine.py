@@ -304,6 +304,10 @@ class LLMEngine:
         self.reasoning_parser = reasoning_parser
         self.think_token_ids = (None if reasoning_parser is None
                                 else think_token_ids(self.tokenizer, reasoning_parser))
+        if reasoning_parser is not None and self.think_token_ids is None:
+            logger.warning("reasoning_parser %r: <think> or </think> is several tokens of this "
+                           "tokenizer, so structured outputs cannot wait for the reasoning to "
+                           "end; the server refuses them", reasoning_parser)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
@@ -591,7 +595,9 @@ class LLMEngine:
         if params.structured_outputs is not None:
             seq.matcher = self.grammar_compiler.matcher(params.structured_outputs)
             if self.think_token_ids is not None:
-                seq.matcher = ReasoningGate.for_prompt(seq.matcher, ids, self.think_token_ids)
+                seq.matcher = ReasoningGate.for_prompt(
+                    seq.matcher, ids, self.think_token_ids,
+                    starts_inside=self.reasoning_parser == "deepseek_r1")
         seq.num_forks = (params.best_of or params.n) - 1
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[request_id] = Request(request_id, text, ids, [seq], [detok],

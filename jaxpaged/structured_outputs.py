@@ -22,6 +22,7 @@ import threading
 
 import llguidance
 import llguidance.numpy
+import numpy as np
 
 from jaxpaged.errors import InvalidRequestError
 
@@ -140,11 +141,12 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")  # both write their thinking inside
 THINK_START, THINK_END = "<think>", "</think>"
 
 
-def think_token_ids(tokenizer, reasoning_parser: str) -> tuple[int, int]:
-    """(id of `<think>`, id of `</think>`): each must be one token of `tokenizer`.
+def think_token_ids(tokenizer, reasoning_parser: str) -> tuple[int, int] | None:
+    """(id of `<think>`, id of `</think>`), or None where either tag is several tokens of
+    `tokenizer` (the reasoning is then split from the text, and no gate can watch for it).
 
     Raises:
-      ValueError: an unknown `reasoning_parser`, or tags that are not single tokens.
+      ValueError: an unknown `reasoning_parser`.
     """
     if reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser {reasoning_parser!r} is not one of "
@@ -153,42 +155,54 @@ def think_token_ids(tokenizer, reasoning_parser: str) -> tuple[int, int]:
     for tag in (THINK_START, THINK_END):
         encoded = tokenizer.encode(tag, add_special_tokens=False)
         if len(encoded) != 1:
-            raise ValueError(f"reasoning_parser {reasoning_parser!r} needs {tag} as one token of "
-                             f"this model's tokenizer; it encodes as {encoded}")
+            return None
         ids.append(encoded[0])
     return ids[0], ids[1]
 
 
 class ReasoningGate:
     """A request's grammar held back until its reasoning ends: every token is allowed until
-    the `</think>` token (or from the start, if the prompt already closed the reasoning, as
-    Qwen3's template does with thinking off), then `matcher` constrains the answer. It answers
-    the calls the engine makes on an `llguidance.LLMatcher` (vLLM's structured outputs skip the
-    grammar the same way while `ReasoningParser.is_reasoning_end` is false)."""
+    the `</think>` token, then `matcher` constrains the answer (vLLM's structured outputs skip
+    the grammar the same way while `ReasoningParser.is_reasoning_end` is false). It answers the
+    calls the engine makes on an `llguidance.LLMatcher`.
 
-    def __init__(self, matcher: llguidance.LLMatcher, end_token_id: int, ended: bool):
-        self.matcher, self.end_token_id, self.ended = matcher, end_token_id, ended
+    Where the reasoning starts decides the first token: a prompt that already closed it (Qwen3's
+    template with thinking off) is constrained from the first token; with `starts_inside`
+    (DeepSeek-R1: the template opened `<think>`) the output is reasoning until `</think>`;
+    otherwise (Qwen3) the first token is the grammar's or `<think>`, and an output that does
+    not open with `<think>` is all answer, constrained from its first token."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, think_ids: tuple[int, int],
+                 ended: bool, starts_inside: bool):
+        self.matcher, self.think_ids = matcher, think_ids
+        self.ended = ended
+        self.first = not (ended or starts_inside)  # the first token decides (see above)
 
     @classmethod
-    def for_prompt(cls, matcher, prompt_token_ids: list[int], think_ids: tuple[int, int]
-                   ) -> "ReasoningGate":
+    def for_prompt(cls, matcher, prompt_token_ids: list[int], think_ids: tuple[int, int],
+                   starts_inside: bool) -> "ReasoningGate":
         """A gate for a request whose prompt is `prompt_token_ids`: the reasoning has ended
         already if the prompt's last `</think>` comes after its last `<think>`."""
         start, end = think_ids
         last = {t: i for i, t in enumerate(prompt_token_ids) if t in think_ids}
-        return cls(matcher, end, last.get(end, -1) > last.get(start, -1))
+        return cls(matcher, think_ids, last.get(end, -1) > last.get(start, -1), starts_inside)
 
     def consume_token(self, token_id: int) -> bool:
-        if self.ended:
-            return self.matcher.consume_token(token_id)
-        self.ended = token_id == self.end_token_id
-        return True
+        if self.first:
+            self.first = False
+            self.ended = token_id != self.think_ids[0]
+        elif not self.ended:
+            self.ended = token_id == self.think_ids[1]
+            return True
+        return self.matcher.consume_token(token_id) if self.ended else True
 
     def is_stopped(self) -> bool:
         return self.ended and self.matcher.is_stopped()
 
     def deep_copy(self) -> "ReasoningGate":
-        return ReasoningGate(self.matcher.deep_copy(), self.end_token_id, self.ended)
+        copy = ReasoningGate(self.matcher.deep_copy(), self.think_ids, self.ended, True)
+        copy.first = self.first
+        return copy
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int):
@@ -202,8 +216,13 @@ def fill_bitmask(matcher: llguidance.LLMatcher, bitmask, row: int) -> None:
     """Writes the tokens `matcher` allows next into `bitmask[row]` (a gate still in the
     reasoning allows every token)."""
     if isinstance(matcher, ReasoningGate):
-        if not matcher.ended:
+        if not (matcher.ended or matcher.first):
             bitmask[row] = -1
+            return
+        if matcher.first:  # the grammar's first tokens, or <think>
+            llguidance.numpy.fill_next_token_bitmask(matcher.matcher, bitmask, row)
+            start = matcher.think_ids[0]
+            bitmask[row].view(np.uint32)[start // 32] |= np.uint32(1 << (start % 32))
             return
         matcher = matcher.matcher
     llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row)

@@ -18,7 +18,8 @@ when `max_output_tokens` cut it, `response.failed` when the engine failed it).
 process's memory, the newest `MAX_STORED_RESPONSES`: `previous_response_id` continues that
 conversation (its instructions are not carried over, as in OpenAI's API), and
 `GET`/`DELETE /v1/responses/{id}` read and drop it. Nothing survives a restart; `store: false`
-keeps nothing.
+keeps nothing, nor does a response that failed in the engine. A function call cut off by
+`max_output_tokens` stays in its response but not in the stored conversation.
 """
 
 from __future__ import annotations
@@ -240,14 +241,15 @@ class ResponsesServing:
         [final] = await self.serving._final_outputs(streams)
         c = final.outputs[0]
         reasoning, message, finish_reason = self.serving.assistant_message(c, tool_calls)
-        if reasoning is not None:
-            head.output.append(_reasoning_item(_id("rs"), reasoning, "completed"))
-        if message.content is not None and (message.content or not message.tool_calls):
-            head.output.append(_message_item(_id("msg"), message.content, "completed"))
+        status = _item_status(c.finish_reason)
+        if reasoning:
+            head.output.append(_reasoning_item(_id("rs"), reasoning, status))
+        if message.content or not (reasoning or message.tool_calls):  # as the stream does
+            head.output.append(_message_item(_id("msg"), message.content or "", status))
         head.output += [_call_item(_id("fc"), call.id, call.function.name,
-                                   call.function.arguments, "completed")
+                                   call.function.arguments, status)
                         for call in message.tool_calls]
-        self._finish(req, head, final, len(c.token_ids), c.finish_reason, reasoning, c.token_ids)
+        self._finish(head, final, len(c.token_ids), c.finish_reason, c.text, c.token_ids)
         self._store(req, head, conversation)
         return head
 
@@ -318,9 +320,10 @@ class ResponsesServing:
             tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
             truncation=req.truncation, metadata=req.metadata or {}, user=req.user, **value)
 
-    def _finish(self, req, response: Response, final: RequestOutput, num_output_tokens: int,
-                finish_reason: str | None, reasoning: str | None, token_ids: list[int]) -> None:
-        """Sets a finished response's status and usage."""
+    def _finish(self, response: Response, final: RequestOutput, num_output_tokens: int,
+                finish_reason: str | None, text: str, token_ids: list[int]) -> None:
+        """Sets a finished response's status and usage (`text`, `token_ids`: the whole
+        output)."""
         response.completed_at = int(time.time())
         if finish_reason == "length":
             response.status = "incomplete"
@@ -330,16 +333,18 @@ class ResponsesServing:
         num_input = len(final.prompt_token_ids)
         response.usage = {
             "input_tokens": num_input,
-            "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+            "input_tokens_details": {"cached_tokens": final.num_cached_tokens,
+                                     "cache_write_tokens": 0},
             "output_tokens": num_output_tokens,
             "output_tokens_details": {
-                "reasoning_tokens": self._reasoning_tokens(reasoning, token_ids)},
+                "reasoning_tokens": self._reasoning_tokens(text, token_ids)},
             "total_tokens": num_input + num_output_tokens}
 
-    def _reasoning_tokens(self, reasoning: str | None, token_ids: list[int]) -> int:
-        """Output tokens up to and including `</think>` (all of them if it never came)."""
-        think = self.serving.think_token_ids
-        if reasoning is None or think is None:
+    def _reasoning_tokens(self, text: str, token_ids: list[int]) -> int:
+        """Output tokens up to and including `</think>` (all of them if it never came) of an
+        output that reasons."""
+        think, parser = self.serving.think_token_ids, self.serving.reasoning
+        if think is None or parser is None or parser.split(text)[0] is None:
             return 0
         return token_ids.index(think[1]) + 1 if think[1] in token_ids else len(token_ids)
 
@@ -351,9 +356,12 @@ class ResponsesServing:
             return
         text = "".join(part["text"] for item in response.output if item["type"] == "message"
                        for part in item["content"])
+        # A call cut off by max_output_tokens (arguments not JSON) is left out of the history:
+        # the chat template could not render it.
         calls = [{"id": item["call_id"], "type": "function", "function": {
             "name": item["name"], "arguments": item["arguments"]}}
-            for item in response.output if item["type"] == "function_call"]
+            for item in response.output
+            if item["type"] == "function_call" and _is_json(item["arguments"])]
         answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls
                                                            else {})}
         self.stored[response.id] = (response, conversation + [answer])
@@ -377,14 +385,14 @@ class ResponsesServing:
         reader = tool_calls() if tool_calls is not None else None
         open_items: dict[str, int] = {}  # "reasoning" / "message" -> the open item's index
         calls: dict[int, int] = {}  # tool call index -> its item's index
-        output, final, num_tokens, token_ids = response.output, None, 0, []
+        output, final, num_tokens, token_ids, text_so_far = response.output, None, 0, [], ""
 
-        def close(kind: str):
+        def close(kind: str, status: str = "completed"):
             index = open_items.pop(kind, None)
             if index is None:
                 return
             item = output[index]
-            item["status"] = "completed"
+            item["status"] = status
             if kind == "reasoning":
                 text = item["content"][0]["text"]
                 yield event("response.reasoning_text.done", item_id=item["id"],
@@ -398,11 +406,11 @@ class ResponsesServing:
                             output_index=index, content_index=0, part=part)
             yield event("response.output_item.done", output_index=index, item=item)
 
-        def close_calls():
+        def close_calls(status: str):
             for index in calls.values():
                 item = output[index]
                 if item["status"] == "in_progress":
-                    item["status"] = "completed"
+                    item["status"] = status
                     yield event("response.function_call_arguments.done", item_id=item["id"],
                                 output_index=index, name=item["name"],
                                 arguments=item["arguments"])
@@ -414,9 +422,12 @@ class ResponsesServing:
                 done = c.finish_reason is not None
                 num_tokens += len(c.token_ids)
                 token_ids += c.token_ids
+                text_so_far += c.text
                 reasoning, text = (None, c.text) if split is None else split.feed(c.text, done)
-                content, deltas = (text or "", []) if reader is None \
-                    else reader.feed(text or "", done)
+                # The tool reader sees the answer only (a named function's call would otherwise
+                # open before the reasoning).
+                content, deltas = (text or "", []) if reader is None or not (
+                    text or done or split is None) else reader.feed(text or "", done)
                 if reasoning:
                     if "reasoning" not in open_items:
                         open_items["reasoning"] = len(output)
@@ -462,11 +473,19 @@ class ResponsesServing:
                                     item_id=output[index]["id"], output_index=index,
                                     delta=arguments)
                 if done:
-                    final = out
+                    final, status = out, _item_status(c.finish_reason)
+                    if not output:  # an empty answer: an empty message, as when not streamed
+                        open_items["message"] = 0
+                        output.append(_message_item(_id("msg"), "", "in_progress"))
+                        yield event("response.output_item.added", output_index=0,
+                                    item={**output[0], "content": []})
+                        yield event("response.content_part.added", item_id=output[0]["id"],
+                                    output_index=0, content_index=0,
+                                    part=output[0]["content"][0])
                     for kind in ("reasoning", "message"):
-                        for e in close(kind):
+                        for e in close(kind, status):
                             yield e
-                    for e in close_calls():
+                    for e in close_calls(status):
                         yield e
             if final is None:
                 raise RequestFailedError("the request was aborted")
@@ -475,15 +494,25 @@ class ResponsesServing:
             response.error = {"code": "server_error", "message": str(_failed(e))}
             yield event("response.failed", response=snapshot())
             return
-        reasoning_text = next((item["content"][0]["text"] for item in output
-                               if item["type"] == "reasoning"), None)
         c = final.outputs[0]
-        self._finish(req, response, final, num_tokens, c.finish_reason, reasoning_text,
-                     token_ids)
+        self._finish(response, final, num_tokens, c.finish_reason, text_so_far, token_ids)
         self._store(req, response, conversation)
         kind = "response.incomplete" if response.status == "incomplete" else \
             "response.completed"
         yield event(kind, response=snapshot())
+
+
+def _item_status(finish_reason: str | None) -> str:
+    """An output item's status: "incomplete" when max_output_tokens cut the response."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _id(prefix: str) -> str:

@@ -100,13 +100,11 @@ class OpenAIServing:
         engine_parser = getattr(engine.engine, "reasoning_parser", None)
         reasoning_parser = reasoning_parser or engine_parser
         self.reasoning = reasoning_parser_named(reasoning_parser)
-        self.constraints_after_reasoning = engine_parser == reasoning_parser
-        self.think_token_ids = None  # (<think>, </think>) ids, to count reasoning tokens
-        if reasoning_parser is not None:
-            try:
-                self.think_token_ids = think_token_ids(engine.engine.tokenizer, reasoning_parser)
-            except ValueError:  # tags of several tokens: the text is split all the same
-                pass
+        # (<think>, </think>) ids, to count reasoning tokens; None for tags of several tokens
+        self.think_token_ids = None if reasoning_parser is None else think_token_ids(
+            engine.engine.tokenizer, reasoning_parser)
+        self.constraints_after_reasoning = (engine_parser == reasoning_parser
+                                            and self.think_token_ids is not None)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

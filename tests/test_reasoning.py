@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from server_utils import ServerThread
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.server.reasoning import reasoning_parser
-from jaxpaged.structured_outputs import StructuredOutputsParams
+from jaxpaged.structured_outputs import (ReasoningGate, StructuredOutputsParams,
+                                         allocate_bitmask, fill_bitmask)
 
 
 CHAIN = "<think>Let me see.</think>Paris"
@@ -166,6 +168,33 @@ def test_constraints_apply_after_reasoning(thinking_model_dir):
         assert "".join(e.delta for e in events
                        if e.type == "response.output_text.delta") == "Paris"
         assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+    # qwen3: the first token is the grammar's or <think>; an output that does not open with
+    # <think> is all answer, constrained from its first token. deepseek_r1: reasoning first.
+    engine, (start, end) = llm.llm_engine, llm.llm_engine.think_token_ids
+    london = engine.tokenizer("London", add_special_tokens=False).input_ids
+    grammar = StructuredOutputsParams(choice=["London", "Rome"])
+
+    def allowed(gate):
+        bitmask = allocate_bitmask(1, engine.model_config.vocab_size)
+        fill_bitmask(gate, bitmask, 0)
+        bits = bitmask[0].view(np.uint32)
+        return {t for t in (start, end, london[0], 7) if bits[t // 32] >> (t % 32) & 1}
+
+    gate = ReasoningGate.for_prompt(engine.grammar_compiler.matcher(grammar), [5, 6],
+                                    (start, end), starts_inside=False)
+    assert allowed(gate) == {start, london[0]}
+    for t in london:
+        assert gate.consume_token(t)
+    assert gate.ended and gate.is_stopped()
+    gate = ReasoningGate.for_prompt(engine.grammar_compiler.matcher(grammar), [5, 6],
+                                    (start, end), starts_inside=False)
+    gate.consume_token(start)  # it thinks: everything allowed until </think>
+    assert not gate.ended and allowed(gate) == {start, end, london[0], 7}
+    gate.consume_token(end)
+    assert gate.ended and allowed(gate) == {london[0]}
+    inside = ReasoningGate.for_prompt(engine.grammar_compiler.matcher(grammar), [5, start],
+                                      (start, end), starts_inside=True)
+    assert allowed(inside) == {start, end, london[0], 7}
     # Thinking off in the prompt (the template closes the think block): constrained at once.
     [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20, structured_outputs=(
         StructuredOutputsParams(choice=["London", "Rome"]))), use_tqdm=False,
@@ -193,6 +222,11 @@ def test_engine_reasoning_parser_checked(thinking_model_dir, default_model_dir):
     with pytest.raises(ValueError, match="reasoning_parser 'o1' is not one of"):
         LLM(thinking_model_dir, max_model_len=256, num_kv_blocks=64, precompile=False,
             reasoning_parser="o1")
-    with pytest.raises(ValueError, match="needs <think> as one token"):
-        LLM(default_model_dir, max_model_len=256, num_kv_blocks=64, precompile=False,
-            reasoning_parser="qwen3")
+    # Tags of several tokens: no gate (the server splits the text, refuses constraints).
+    llm = LLM(default_model_dir, max_model_len=256, num_kv_blocks=64, precompile=False,
+              reasoning_parser="qwen3")
+    assert llm.llm_engine.think_token_ids is None
+    with ServerThread(llm, "smollm2") as server:
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "guided_choice": ["a", "b"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_choice"

@@ -187,3 +187,21 @@ def test_bad_fields_are_400_naming_them(server, client, body, param):
 def test_unknown_model_is_404(server):
     r = httpx.post(f"{server.url}/v1/responses", json={"model": "gpt-9", "input": "hi"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_cut_off_call_is_incomplete_and_left_out_of_the_history(client):
+    """max_output_tokens cuts a named call's arguments: the item is "incomplete", and the
+    stored conversation leaves the call out, so a continuation still renders."""
+    r = client.responses.create(model="smollm2", input="What's the weather like in Paris?",
+                                tools=[WEATHER], max_output_tokens=3, temperature=0,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    assert r.status == "incomplete" and r.output[0].status == "incomplete"
+    events = list(client.responses.create(
+        model="smollm2", input="What's the weather like in Paris?", tools=[WEATHER],
+        max_output_tokens=3, temperature=0, stream=True,
+        tool_choice={"type": "function", "name": "get_weather"}))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output[0].status == "incomplete"
+    follow = client.responses.create(model="smollm2", input="Never mind.", temperature=0,
+                                     previous_response_id=r.id, max_output_tokens=4)
+    assert follow.output_text is not None
