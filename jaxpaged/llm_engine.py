@@ -341,9 +341,12 @@ class LLMEngine:
         model = load_model(model_dir, self.model_config, self.dtype, backend, self.mesh,
                            readers)
         model = quantize_model(model, self.quantization, mesh=self.mesh)
+        # Steps of a few tokens (verifications) on the few-row kernel; not in batch-invariant
+        # mode, whose rows must be computed one way whatever the step's size.
         if (self.mesh is None and self.dtype == jnp.float32 and jax.default_backend() == "cpu"
+                and not self.batch_invariant
                 and os.environ.get("JAXPAGED_FEW_ROW_KERNEL", "1") != "0"):
-            enable_few_row_kernel(model)  # steps of a few tokens (verifications) on the kernel
+            enable_few_row_kernel(model)
         del readers
         _release_freed_memory()
         return model
