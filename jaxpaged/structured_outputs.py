@@ -8,9 +8,10 @@ jitted sampler applies (`sampler.sample`), and it advances on the token drawn
 (`Scheduler.update_from_output`); once the grammar can take no more tokens the sequence
 finishes with finish_reason "stop". With a reasoning parser (`LLM(reasoning_parser=...)`), the
 constraint waits for the reasoning to end: a `ReasoningGate` lets every token through until the
-model writes `</think>`, then the grammar applies to the answer (vLLM's behaviour). A compiled grammar is cached by its source, so a schema sent
-again costs a copy of its matcher, and is compiled where the request is validated, off the
-engine's step (the server does that on its preprocessing threads).
+model writes `</think>`, then the grammar applies to the answer (vLLM's behaviour). A compiled
+grammar is cached by its source, so a schema sent again costs a copy of its matcher, and is
+compiled where the request is validated, off the engine's step (the server does that on its
+preprocessing threads).
 """
 
 from __future__ import annotations
