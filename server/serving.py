@@ -101,8 +101,9 @@ class OpenAIServing:
         reasoning_parser = reasoning_parser or engine_parser
         self.reasoning = reasoning_parser_named(reasoning_parser)
         # (<think>, </think>) ids, to count reasoning tokens; None for tags of several tokens
-        self.think_token_ids = None if reasoning_parser is None else think_token_ids(
-            engine.engine.tokenizer, reasoning_parser)
+        self.think_token_ids = (
+            getattr(engine.engine, "think_token_ids", None) if reasoning_parser == engine_parser
+            else think_token_ids(engine.engine.tokenizer, reasoning_parser))
         self.constraints_after_reasoning = (engine_parser == reasoning_parser
                                             and self.think_token_ids is not None)
 
