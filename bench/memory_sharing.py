@@ -20,7 +20,7 @@ from pathlib import Path
 from sharegpt import sample_requests
 
 from jaxpaged import LLM, BeamSearchParams, SamplingParams
-from jaxpaged.beam_search import beam_search
+from jaxpaged.entrypoints.beam_search import beam_search
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

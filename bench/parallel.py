@@ -48,8 +48,8 @@ def make_model(root: Path) -> tuple[Path, Path]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from jaxpaged import cli
-    from jaxpaged.model_store import ensure_default_model
+    from jaxpaged.entrypoints import cli
+    from jaxpaged.model_loader.model_store import ensure_default_model
 
     hf, orbax = root / "hf", root / "orbax"
     torch.manual_seed(0)

@@ -57,7 +57,7 @@ MODES = {"float32": {}, "int8": dict(quantization="int8"),
 
 
 def engine_options(mode: str, model, args) -> dict:
-    from jaxpaged.model_store import EMBEDDED_MODELS, DEFAULT_MODEL
+    from jaxpaged.model_loader.model_store import EMBEDDED_MODELS, DEFAULT_MODEL
 
     options = dict(MODES[mode], max_model_len=args.max_len + 160, max_num_seqs=16,
                    precompile=False)

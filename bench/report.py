@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from jaxpaged.model_store import jaxpaged_home
+from jaxpaged.model_loader.model_store import jaxpaged_home
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -103,7 +103,7 @@ def profile_model(name: str, args, peaks: dict) -> list[dict]:
     import jax
 
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.buckets import bucket
+    from jaxpaged.worker.buckets import bucket
 
     model = MODELS[name]
     if model == "synthetic":

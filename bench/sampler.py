@@ -74,7 +74,7 @@ def best_ms(fn, repeats: int) -> float:
 
 
 def main(argv=None) -> dict:
-    from jaxpaged.sampler import SamplingMetadata, num_candidates, sample_jit
+    from jaxpaged.sample.sampler import SamplingMetadata, num_candidates, sample_jit
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64], help="samples R")

@@ -142,7 +142,7 @@ def free_port() -> int:
 
 def server_command(backend: str, model_dir: Path, port: int, args) -> list[str]:
     if backend == "jaxpaged":
-        return [sys.executable, "-m", "jaxpaged.cli", "serve", "--model", str(model_dir),
+        return [sys.executable, "-m", "jaxpaged.entrypoints.cli", "serve", "--model", str(model_dir),
                 "--port", str(port), "--max-model-len", str(args.max_model_len),
                 "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"] + [
                     arg for name in ("long_prefill_token_threshold", "max_num_partial_prefills")
@@ -367,7 +367,7 @@ def main(argv=None) -> None:
 
     from transformers import AutoTokenizer
 
-    from jaxpaged.model_store import resolve_model
+    from jaxpaged.model_loader.model_store import resolve_model
 
     args.model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)

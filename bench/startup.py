@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=2, help="warm runs of each (best reported)")
     p.add_argument("--out", type=Path, default=Path("bench/results/startup.json"))
     args = p.parse_args(argv)
-    from jaxpaged.model_store import resolve_model
+    from jaxpaged.model_loader.model_store import resolve_model
     resolve_model(None if args.model == "default" else args.model)
     jaxpaged_cmd = str(Path(sys.executable).parent / "jaxpaged")
     gen = [jaxpaged_cmd, "generate", "The capital of France is", "--max-tokens", "8",

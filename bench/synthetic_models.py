@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from jaxpaged.model_store import ensure_default_model, jaxpaged_home, write_aside
+from jaxpaged.model_loader.model_store import ensure_default_model, jaxpaged_home, write_aside
 
 # Qwen2.5-0.5B's shapes (Qwen2ForCausalLM): 24 layers, hidden 896, 14 query / 2 KV heads,
 # intermediate 4864, vocabulary 151,936, tied embeddings, q/k/v biases.

@@ -259,7 +259,7 @@ def _hf_model(args):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxpaged.model_store import resolve_model
+    from jaxpaged.model_loader.model_store import resolve_model
 
     return AutoModelForCausalLM.from_pretrained(resolve_model(args.model),
                                                 dtype=torch.float32).eval()
@@ -404,7 +404,7 @@ def main(argv=None) -> dict:
 
     from transformers import AutoTokenizer
 
-    from jaxpaged.model_store import resolve_model
+    from jaxpaged.model_loader.model_store import resolve_model
     from jaxpaged.models import load_config
 
     model_dir = resolve_model(args.model)
@@ -457,8 +457,8 @@ def main(argv=None) -> dict:
               "results": results,
               "ratios_output_tokens_per_s": ratios}
     out.write_text(json.dumps(report, indent=2))
-    if _built_llms:  # how the jaxpaged side was run (`jaxpaged.batch`)
-        from jaxpaged.batch import write_manifest
+    if _built_llms:  # how the jaxpaged side was run (`jaxpaged.entrypoints.batch`)
+        from jaxpaged.entrypoints.batch import write_manifest
         write_manifest(Path(f"{out}.manifest.json"), "bench/throughput.py", _built_llms[-1],
                        portable_config(args), out.with_suffix(".requests.jsonl"), out,
                        {i: args.seed + i for i in range(len(requests))},

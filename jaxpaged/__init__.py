@@ -5,12 +5,12 @@
     outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8))
 """
 
-from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from jaxpaged.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from jaxpaged.llm import LLM
+from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.structured_outputs import StructuredOutputsParams
+from jaxpaged.sample.structured_outputs import StructuredOutputsParams
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "CompletionOutput", "EngineDeadError", "InvalidRequestError", "Logprob",

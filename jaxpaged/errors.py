@@ -9,7 +9,7 @@
   (a fault inside the compiled step after the pool was donated), when it is outside the model
   step (the scheduler, copy-on-write copies), or when it recurs without any request: after a
   step in which every request failed alone, a step of padding alone raises too
-  (`jaxpaged.faults`). Every unfinished request fails with it, later calls raise it,
+  (`jaxpaged.engine.faults`). Every unfinished request fails with it, later calls raise it,
   `/health` answers 503 and `jaxpaged serve` exits with status 1, so that a supervisor
   restarts it.
 

@@ -8,8 +8,8 @@ import functools
 import math
 
 from jaxpaged.errors import InvalidRequestError
-from jaxpaged.stop_strings import StopStrings
-from jaxpaged.structured_outputs import StructuredOutputsParams
+from jaxpaged.engine.stop_strings import StopStrings
+from jaxpaged.sample.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for per token (vLLM's default)
 LOGPROBS_MODES = ("raw", "processed")

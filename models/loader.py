@@ -304,7 +304,7 @@ def load_weights(model_cls: type[nnx.Module], model_dir: str | Path, config, dty
     `attention_backend` is a backend object or one of
     `pallas_kernels.backends.ATTENTION_BACKENDS`. `readers`: the tensors to read instead of
     the folder's safetensors, by HF name, each with `get_shape()` and `[index]` (a GGUF file's,
-    `jaxpaged.gguf_import.open_gguf_weights`).
+    `jaxpaged.model_loader.gguf_import.open_gguf_weights`).
 
     Raises:
       ValueError: see `match_checkpoint`.

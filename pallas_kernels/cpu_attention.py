@@ -50,7 +50,7 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC
 
 
 def _cache_dir() -> Path:
-    from jaxpaged.model_store import jaxpaged_home  # not at top: model_store imports the model
+    from jaxpaged.model_loader.model_store import jaxpaged_home  # not at top: model_store imports the model
 
     return jaxpaged_home() / "kernels"
 

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import jaxpaged
-from jaxpaged.async_llm_engine import AsyncLLMEngine
+from jaxpaged.engine.async_llm_engine import AsyncLLMEngine
 from jaxpaged.server import protocol as api
 from jaxpaged.server.metrics import ServerMetrics
 from jaxpaged.server.responses import ResponsesRequest, ResponsesServing

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from jaxpaged.server.tool_calls import FUNCTION_NAME_PATTERN, tool_constraint
-from jaxpaged.structured_outputs import StructuredOutputsParams
+from jaxpaged.sample.structured_outputs import StructuredOutputsParams
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 # JSON object keys are strings: logit_bias's token ids are the one place a string becomes an int.

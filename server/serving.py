@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 import pydantic
 from pydantic import BaseModel
 
-from jaxpaged.async_llm_engine import AsyncLLMEngine, RequestStream
+from jaxpaged.engine.async_llm_engine import AsyncLLMEngine, RequestStream
 from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server import protocol as api
@@ -33,7 +33,7 @@ from jaxpaged.server.reasoning import ReasoningStream
 from jaxpaged.server.reasoning import reasoning_parser as reasoning_parser_named
 from jaxpaged.server.tool_calls import (TOOL_CALL_PARSERS, NamedFunction, RequiredCalls,
                                         ToolCallStream, parameters_schema)
-from jaxpaged.structured_outputs import StructuredOutputsParams, think_token_ids
+from jaxpaged.sample.structured_outputs import StructuredOutputsParams, think_token_ids
 
 
 class APIError(Exception):

@@ -25,7 +25,7 @@ import logging
 import re
 import uuid
 
-from jaxpaged.structured_outputs import JSON_DEFAULTS, StructuredOutputsParams
+from jaxpaged.sample.structured_outputs import JSON_DEFAULTS, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

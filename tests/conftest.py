@@ -34,7 +34,7 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from jaxpaged.model_store import ensure_default_model
+    from jaxpaged.model_loader.model_store import ensure_default_model
     return ensure_default_model()
 
 

@@ -10,7 +10,7 @@ import httpx
 import uvicorn
 
 from jaxpaged import LLM
-from jaxpaged.async_llm_engine import AsyncLLMEngine
+from jaxpaged.engine.async_llm_engine import AsyncLLMEngine
 from jaxpaged.server import build_app
 
 

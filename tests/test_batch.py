@@ -7,8 +7,7 @@ import shutil
 
 import pytest
 
-from jaxpaged import cli
-
+from jaxpaged.entrypoints import cli
 LINES = [
     {"custom_id": "greedy", "method": "POST", "url": "/v1/completions",
      "body": {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8,

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM as HFLlama
 
 from jaxpaged import BeamSearchParams
-from jaxpaged.beam_search import beam_search
+from jaxpaged.entrypoints.beam_search import beam_search
 
 
 def hf_best(model_dir, ids, width, max_new_tokens, length_penalty=1.0):

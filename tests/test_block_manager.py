@@ -2,12 +2,12 @@
 
 import pytest
 
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.buckets import bucket
+from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.worker.buckets import bucket
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.sequence import Sequence, SequenceStatus
 
 
 def seq(num_tokens, max_tokens=16):

@@ -4,7 +4,7 @@ over several steps, beside running decodes, and give the same tokens as unchunke
 import pytest
 
 from jaxpaged import SamplingParams
-from jaxpaged.buckets import bucket
+from jaxpaged.worker.buckets import bucket
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog " * 7, "a short one",
            "numbers: " + " ".join(str(i) for i in range(40))]

@@ -14,7 +14,7 @@ from server_utils import free_port, healthy
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "jaxpaged.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "jaxpaged.entrypoints.cli", *args], capture_output=True,
                           text=True, timeout=600)
 
 
@@ -45,7 +45,7 @@ def test_bad_argument_exits_with_a_clear_error(tiny_model_dir):
 def test_serve_the_default_model_to_the_openai_client(default_model_dir):
     """`jaxpaged serve` on the real model: chat and completions equal `LLM.chat` / `generate`."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "jaxpaged.cli", "serve", "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "jaxpaged.entrypoints.cli", "serve", "--port", str(port),
                                "--max-model-len", "512", "--num-kv-blocks", "128",
                                "--no-precompile"],  # precompiling is tested elsewhere
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

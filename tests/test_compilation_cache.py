@@ -1,4 +1,4 @@
-"""The compilation cache (`jaxpaged.compilation_cache`): a second engine in a fresh process
+"""The compilation cache (`jaxpaged.worker.compilation_cache`): a second engine in a fresh process
 compiles nothing, and a changed model shape, dtype or damaged file never reuses a wrong entry.
 
 XLA compiles are counted with JAX's own event `/jax/core/compile/backend_compile_duration`,
@@ -119,7 +119,7 @@ def test_a_damaged_entry_is_compiled_again(tiny_model_dir, warm, tmp_path):
 def test_cache_dir_resolution(monkeypatch, tmp_path):
     import jax
 
-    from jaxpaged.compilation_cache import ENV_VAR, resolve_cache_dir
+    from jaxpaged.worker.compilation_cache import ENV_VAR, resolve_cache_dir
 
     monkeypatch.setenv("JAXPAGED_HOME", str(tmp_path / "home"))
     monkeypatch.delenv(ENV_VAR, raising=False)

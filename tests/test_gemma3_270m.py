@@ -24,7 +24,7 @@ STORY = ("The lighthouse keeper wrote in his log every evening. The sea was calm
 
 @pytest.fixture(scope="module")
 def gemma_dir():
-    from jaxpaged.model_store import GEMMA3_270M, resolve_model
+    from jaxpaged.model_loader.model_store import GEMMA3_270M, resolve_model
     return resolve_model(GEMMA3_270M)
 
 

@@ -94,7 +94,7 @@ def test_model_card_by_id_and_chat_template(tiny_model_dir):
 
 
 def test_chat_template_option(tmp_path):
-    from jaxpaged.cli import _chat_template
+    from jaxpaged.entrypoints.cli import _chat_template
 
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages[0]['content'] }}")

@@ -23,7 +23,7 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from jaxpaged.gguf_import import SUPPORTED_GGUF_ARCHITECTURES, import_gguf  # noqa: E402
+from jaxpaged.model_loader.gguf_import import SUPPORTED_GGUF_ARCHITECTURES, import_gguf  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -298,7 +298,7 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
 
 def _cli(*args, home):
     env = dict(os.environ, JAXPAGED_HOME=str(home))
-    return subprocess.run([sys.executable, "-m", "jaxpaged.cli", "import", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "jaxpaged.entrypoints.cli", "import", *args], env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -307,7 +307,7 @@ def test_cli_import_without_torch(tmp_path_factory, tmp_path):
     architecture: the importer's code is the same for all)."""
     _, _, src, out = _build("gemma3", tmp_path_factory)
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from jaxpaged.cli import main\n"
+            "from jaxpaged.entrypoints.cli import main\n"
             "sys.exit(main(['import', sys.argv[1], sys.argv[2]]))")
     res = subprocess.run([sys.executable, "-c", code, str(src / "model.gguf"),
                           str(tmp_path / "cli")], capture_output=True, text=True, timeout=600,

@@ -2,8 +2,8 @@
 prompt's blocks by reference count; a shared block is copied only when written (copy-on-write)."""
 
 from jaxpaged import SamplingParams
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.sequence import Sequence
+from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.sequence import Sequence
 
 
 def test_fork_shares_blocks_and_copy_on_write_copies_only_the_written_block():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxpaged.model_store import DEFAULT_MODEL, EMBEDDED_MODELS, resolve_model
+from jaxpaged.model_loader.model_store import DEFAULT_MODEL, EMBEDDED_MODELS, resolve_model
 
 
 def test_default_model_folder_is_a_standard_hf_folder(default_model_dir):
@@ -64,7 +64,7 @@ def test_import_needs_no_torch(tmp_path):
     import sys
 
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from jaxpaged.model_store import ensure_default_model\n"
+            "from jaxpaged.model_loader.model_store import ensure_default_model\n"
             "print(ensure_default_model())")
     env = dict(os.environ, JAXPAGED_HOME=str(tmp_path))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -85,7 +85,7 @@ def test_engine_tokenizer_equals_auto_tokenizer(default_model_dir, tmp_path, mod
     from transformers import AutoTokenizer
 
     from conftest import copy_tokenizer
-    from jaxpaged.llm_engine import _load_tokenizer
+    from jaxpaged.engine.llm_engine import _load_tokenizer
 
     copy_tokenizer(default_model_dir, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
@@ -106,7 +106,7 @@ def test_engine_tokenizer_imports_no_torch(default_model_dir):
 
     code = ("import sys\n"
             "from pathlib import Path\n"
-            "from jaxpaged.llm_engine import _load_tokenizer\n"
+            "from jaxpaged.engine.llm_engine import _load_tokenizer\n"
             f"_load_tokenizer(Path({str(default_model_dir)!r}))\n"
             "print('torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

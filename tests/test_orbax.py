@@ -10,8 +10,9 @@ import shutil
 
 import pytest
 
-from jaxpaged import LLM, SamplingParams, cli
-from jaxpaged.model_store import DEFAULT_MODEL, EMBEDDED_MODELS
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.entrypoints import cli
+from jaxpaged.model_loader.model_store import DEFAULT_MODEL, EMBEDDED_MODELS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]

@@ -2,8 +2,8 @@
 eviction order), then cached == uncached greedy ids through the engine."""
 
 from jaxpaged import SamplingParams
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.sequence import Sequence
+from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.sequence import Sequence
 
 
 def seq(token_ids, **params):

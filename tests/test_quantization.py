@@ -245,7 +245,7 @@ def test_gguf_file_runs_directly(make_llm, tmp_path, monkeypatch, qtype):
     from gguf import GGMLQuantizationType as Q
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from jaxpaged.gguf_import import import_gguf
+    from jaxpaged.model_loader.gguf_import import import_gguf
     from test_gguf_import import CASES, SHAPE, write_gguf
 
     monkeypatch.setenv("JAXPAGED_HOME", str(tmp_path / "home"))

@@ -14,7 +14,7 @@ from server_utils import ServerThread
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.server.reasoning import reasoning_parser
-from jaxpaged.structured_outputs import (ReasoningGate, StructuredOutputsParams,
+from jaxpaged.sample.structured_outputs import (ReasoningGate, StructuredOutputsParams,
                                          allocate_bitmask, fill_bitmask)
 
 

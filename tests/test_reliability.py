@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from jaxpaged import (BeamSearchParams, EngineDeadError, InvalidRequestError, SamplingParams)
 from jaxpaged.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from jaxpaged.stop_strings import StopStrings, StopStringState
+from jaxpaged.engine.stop_strings import StopStrings, StopStringState
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY_CONFIG, copy_tokenizer
 from jaxpaged import SamplingParams
-from jaxpaged.async_llm_engine import AsyncLLMEngine
+from jaxpaged.engine.async_llm_engine import AsyncLLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["Hello, my name is", "The capital of France is", "Once upon a time, " * 6]

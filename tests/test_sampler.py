@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 from scipy import stats
 
-from jaxpaged.sampler import (SamplingMetadata, TOP_P_CANDIDATES, gather_rows, num_candidates,
+from jaxpaged.sample.sampler import (SamplingMetadata, TOP_P_CANDIDATES, gather_rows, num_candidates,
                               sample_jit, top_k_top_p_cutoff)
 
 # Jitted as the sampler runs it: one compile per (V, num_candidates), where op-by-op dispatch of

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM as HFLlama
 
 from jaxpaged import SamplingParams
-from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 
 PROMPTS = ["The capital of France is", "Write a short list of fruits:", "1, 2, 3, 4,"]
 

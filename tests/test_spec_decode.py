@@ -1,4 +1,4 @@
-"""Speculative decoding (`jaxpaged.spec_decode`): n-gram and draft-model proposals verified in
+"""Speculative decoding (`jaxpaged.spec_decode.proposers`): n-gram and draft-model proposals verified in
 one packed step give the target's own outputs: greedy ids equal to decoding without
 speculation (across batches, chunked prefill, preemption and the prefix cache), seeded samples
 equal too in batch-invariant mode, and the sampled distribution is the target's on a small
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams
-from jaxpaged.spec_decode import SpeculativeConfig, ngram_proposal
+from jaxpaged.spec_decode.proposers import SpeculativeConfig, ngram_proposal
 
 from conftest import TINY_CONFIG, copy_tokenizer
 
@@ -269,7 +269,7 @@ def test_server_metrics_count_speculation(vocab64_model_dir):
 
 
 def test_cli_names_a_bad_speculative_config(capsys):
-    from jaxpaged.cli import main
+    from jaxpaged.entrypoints.cli import main
 
     assert main(["generate", "Hi", "--speculative-config",
                  '{"method": "ngram", "num_speculative_tokens": -1}']) == 2

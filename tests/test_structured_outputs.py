@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from jaxpaged import SamplingParams
-from jaxpaged.structured_outputs import StructuredOutputsParams
+from jaxpaged.sample.structured_outputs import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",

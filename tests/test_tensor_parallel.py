@@ -20,9 +20,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from jaxpaged import LLM, SamplingParams, cli
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.entrypoints import cli
 from jaxpaged.models import load_config
-from jaxpaged.parallel import make_mesh
+from jaxpaged.distributed.parallel import make_mesh
 from server_utils import free_port, healthy
 
 WORKER = Path(__file__).parent / "tp_worker.py"
@@ -182,7 +183,7 @@ def test_serve_with_tensor_parallel_4(tp_models, served_text):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     server = subprocess.Popen(
-        [sys.executable, "-m", "jaxpaged.cli", "serve", "--model", str(model), "--port",
+        [sys.executable, "-m", "jaxpaged.entrypoints.cli", "serve", "--model", str(model), "--port",
          str(port), "--tensor-parallel-size", "4", "--no-precompile", "--max-model-len", "256",
          "--num-kv-blocks", "64"], env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
@@ -250,7 +251,7 @@ def test_serve_on_two_processes(tp_models, served_text):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "jaxpaged.cli", "serve", "--model", model, "--port", str(port),
+        [sys.executable, "-m", "jaxpaged.entrypoints.cli", "serve", "--model", model, "--port", str(port),
          "--tensor-parallel-size", "4", "--no-precompile", "--max-model-len", "256",
          "--num-kv-blocks", "64", "--coordinator-address",
          address, "--num-processes", "2", "--process-id", str(i)],

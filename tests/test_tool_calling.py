@@ -101,7 +101,7 @@ def test_tools_reach_the_chat_template(default_model_dir):
     """Tools and earlier calls are handed to the template (this one prints them)."""
     from transformers import AutoTokenizer
 
-    from jaxpaged.input_processor import InputProcessor
+    from jaxpaged.engine.input_processor import InputProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     tokenizer.chat_template = (

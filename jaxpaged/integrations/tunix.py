@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from tunix.rl.rollout import base_rollout
 
-from jaxpaged.llm import LLM
+from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.sampling_params import SamplingParams
 
 

@@ -18,33 +18,33 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged import compilation_cache
-from jaxpaged.block_manager import BlockManager
+from jaxpaged.worker import compilation_cache
+from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.config import CacheConfig, SchedulerConfig
-from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import EngineDeadError, InvalidRequestError
-from jaxpaged.faults import FaultIsolatingExecutor, describe
-from jaxpaged.input_processor import InputProcessor
-from jaxpaged.model_runner import ModelRunner, kv_cache_bytes_per_token, num_kv_blocks
-from jaxpaged import gguf_import
-from jaxpaged.buckets import next_power_of_2
+from jaxpaged.engine.faults import FaultIsolatingExecutor, describe
+from jaxpaged.engine.input_processor import InputProcessor
+from jaxpaged.worker.model_runner import ModelRunner, kv_cache_bytes_per_token, num_kv_blocks
+from jaxpaged.model_loader import gguf_import
+from jaxpaged.worker.buckets import next_power_of_2
 from jaxpaged.models import load_config, load_model, pooled_hidden_states
 from jaxpaged.models.layers import enable_few_row_kernel
 from jaxpaged.models.quantization import QUANTIZATION_METHODS, quantize_model, weight_bytes
 from jaxpaged.pallas_kernels.reference import KV_CODE_DTYPES
 from jaxpaged.models.loader import flat_params, params_from_hf_weights
-from jaxpaged.model_store import resolve_model
+from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.outputs import Logprob, RequestMetrics, RequestOutput
-from jaxpaged.parallel import make_mesh
-from jaxpaged.request import Request, new_stop_state
+from jaxpaged.distributed.parallel import make_mesh
+from jaxpaged.engine.request import Request, new_stop_state
 from jaxpaged.pallas_kernels import make_attention_backend
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.spec_decode import (DraftModelProposer, NgramProposer, SpeculativeConfig,
+from jaxpaged.spec_decode.proposers import (DraftModelProposer, NgramProposer, SpeculativeConfig,
                                   num_proposals)
-from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Scoring, Sequence
-from jaxpaged.stop_strings import StopStringState
-from jaxpaged.structured_outputs import GrammarCompiler, ReasoningGate, think_token_ids
+from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.sequence import Scoring, Sequence
+from jaxpaged.engine.stop_strings import StopStringState
+from jaxpaged.sample.structured_outputs import GrammarCompiler, ReasoningGate, think_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class LLMEngine:
                              f"in tokens (ints >= 1), got {precompile!r}")
         cache_dir = compilation_cache.resolve_cache_dir(compilation_cache_dir)
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
-        # Tensor parallelism: the model and the pool split over a mesh (`jaxpaged.parallel`).
+        # Tensor parallelism: the model and the pool split over a mesh (`jaxpaged.distributed.parallel`).
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         self.model_config = load_config(model_dir).for_tensor_parallel(tensor_parallel_size)
         self.dtype = resolve_dtype(dtype)
@@ -352,7 +352,7 @@ class LLMEngine:
         return model
 
     def _make_proposer(self, config: SpeculativeConfig, backend, cache_dir):
-        """The proposer of `config` (`jaxpaged.spec_decode`); a draft model gets its own
+        """The proposer of `config` (`jaxpaged.spec_decode.proposers`); a draft model gets its own
         runner and KV pool of as many blocks as the target's.
 
         Raises:

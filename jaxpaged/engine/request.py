@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.sequence import Sequence
-from jaxpaged.stop_strings import StopStringState
+from jaxpaged.core.sequence import Sequence
+from jaxpaged.engine.stop_strings import StopStringState
 
 
 @dataclasses.dataclass

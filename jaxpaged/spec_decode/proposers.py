@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from jaxpaged.sequence import Sequence
+from jaxpaged.core.sequence import Sequence
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 

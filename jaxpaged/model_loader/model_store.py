@@ -127,8 +127,7 @@ def gguf_model_dir(gguf_path: Path) -> Path:
     Raises:
       ValueError: the file's architecture, tokenizer or a tensor is not supported.
     """
-    from jaxpaged import gguf_import
-
+    from jaxpaged.model_loader import gguf_import
     gguf_path = gguf_path.resolve()
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
@@ -171,15 +170,14 @@ def ensure_default_model() -> Path:
 
 def import_gguf(gguf_path: Path, target: Path,
                 spec: EmbeddedModel = EMBEDDED_MODELS[DEFAULT_MODEL]) -> None:
-    """Imports the GGUF at `gguf_path` into the HF folder `target` (see `jaxpaged.gguf_import`),
+    """Imports the GGUF at `gguf_path` into the HF folder `target` (see `jaxpaged.model_loader.gguf_import`),
     with `spec`'s chat template and end-of-turn tokens where the file has none.
 
     The folder appears atomically (written aside, then renamed), so an interrupted import leaves
     no half folder behind and is redone on the next call; leftovers of interrupted imports are
     removed first.
     """
-    from jaxpaged import gguf_import
-
+    from jaxpaged.model_loader import gguf_import
     print(f"jaxpaged: importing {spec.name} from {gguf_path.name} into {target} "
           "(first run only)", flush=True)
     for stale in target.parent.glob(f"{target.name}.tmp-*"):

@@ -22,8 +22,8 @@ import logging
 import jax
 
 from jaxpaged.errors import EngineDeadError
-from jaxpaged.model_runner import ModelRunner
-from jaxpaged.scheduler import SchedulerOutput
+from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

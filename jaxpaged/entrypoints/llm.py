@@ -13,14 +13,14 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from jaxpaged.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxpaged.config import CacheConfig
 from jaxpaged.errors import InvalidRequestError, RequestFailedError
-from jaxpaged.llm_engine import LLMEngine
-from jaxpaged.model_store import resolve_model
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.models import dense_forward
 from jaxpaged.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from jaxpaged.parallel import init_distributed
+from jaxpaged.distributed.parallel import init_distributed
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, generation_defaults
 
 PromptType = str | dict
@@ -57,7 +57,7 @@ class LLM:
       max_num_batched_tokens: tokens per step; default max(max_model_len, 2048).
       long_prefill_token_threshold: prompt tokens a sequence computes at most in a step that
         also decodes (0: no cap; default 128); bounds inter-token latency under load (see
-        `jaxpaged.scheduler`).
+        `jaxpaged.core.scheduler`).
       max_num_partial_prefills: prompts computed at most in a step that also decodes.
       scheduling_policy: "fcfs" (arrival order) or "priority": requests run by their
         `priority` (lower first, ties by arrival; `generate(..., priority=[...])`), and a
@@ -79,7 +79,7 @@ class LLM:
       coordinator_address, num_processes, process_id: run on several processes (hosts) as one
         JAX runtime (`jax.distributed.initialize`; process 0 hosts the coordinator at
         "host:port"): the mesh then spans every process's devices. Run the same program, with
-        the same calls, on every process (see `jaxpaged.multihost`).
+        the same calls, on every process (see `jaxpaged.distributed.multihost`).
       precompile: True compiles the model step for every shape the limits above allow, at
         startup (with a progress bar), so that serving compiles nothing new: one shape per
         token bucket of a packed step, about 25 under the default limits (twice that on the
@@ -91,7 +91,7 @@ class LLM:
         token after the first. Steps computing prompt logprobs take logits at every token and
         compile their shape when first met.
       compilation_cache_dir: where compiled steps are kept across processes
-        (`jaxpaged.compilation_cache`): "auto" (`$JAXPAGED_COMPILATION_CACHE_DIR`, else
+        (`jaxpaged.worker.compilation_cache`): "auto" (`$JAXPAGED_COMPILATION_CACHE_DIR`, else
         `$JAXPAGED_HOME/compile-cache`), a folder, or None (or "off") for none. With the
         cache warm, startup loads each shape (about 0.2 s on CPU) instead of compiling it
         (1-2 s).
@@ -102,7 +102,7 @@ class LLM:
         (the C++ kernel in its invariant order) or "xla" attention backend: every step is
         padded to at least 64 tokens (`llm_engine.BATCH_INVARIANT_MIN_TOKENS`), from which
         XLA:CPU's matmuls compute each row the same way whatever the other rows, and attention
-        sums each query's keys in one order (see `jaxpaged.llm_engine`).
+        sums each query's keys in one order (see `jaxpaged.engine.llm_engine`).
       quantization: None (weights in `dtype`) or "int8": weight-only int8, one scale per
         output channel, for every linear layer and the token embedding (a tied LM head
         included), made at load (`models.quantization`); on CPU the matmuls read the int8
@@ -119,7 +119,7 @@ class LLM:
         or another folder holding one. `get_default_sampling_params()` returns them; they
         apply where no sampling params are given, and the server's requests override them
         field by field.
-      speculative_config: speculative decoding (`jaxpaged.spec_decode`), vLLM's keys as a
+      speculative_config: speculative decoding (`jaxpaged.spec_decode.proposers`), vLLM's keys as a
         dict (or its JSON text): `{"method": "ngram", "num_speculative_tokens": k,
         "prompt_lookup_max": n, "prompt_lookup_min": m}` or `{"model": PATH,
         "num_speculative_tokens": k}` (a draft model with the target's vocabulary), and

@@ -138,7 +138,7 @@ async def _run_line(serving, index: int, line: str, seed: int, seeds: dict) -> d
 
 async def _run(llm, model_name: str, lines, out, total: int, seed: int, window: int,
                progress: bool) -> dict:
-    from jaxpaged.async_llm_engine import AsyncLLMEngine
+    from jaxpaged.engine.async_llm_engine import AsyncLLMEngine
     from jaxpaged.server.serving import OpenAIServing
 
     engine = AsyncLLMEngine(llm.llm_engine)
@@ -273,13 +273,13 @@ def replay(manifest_path: str | os.PathLike, output_path: str | os.PathLike | No
     """
     import warnings
 
-    from jaxpaged.llm import LLM
+    from jaxpaged.entrypoints.llm import LLM
 
     manifest_path = Path(manifest_path)
     manifest = json.loads(manifest_path.read_text())
     options = manifest["engine_options"]
     model = options.get("model")
-    from jaxpaged.model_store import resolve_model
+    from jaxpaged.model_loader.model_store import resolve_model
 
     model_dir = resolve_model(model)
     files = model_files(model_dir)

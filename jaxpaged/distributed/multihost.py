@@ -29,7 +29,7 @@ import pickle
 import jax
 
 from jaxpaged.errors import EngineDeadError
-from jaxpaged.llm_engine import LLMEngine
+from jaxpaged.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

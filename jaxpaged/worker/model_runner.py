@@ -24,18 +24,18 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from jaxpaged import sampler
-from jaxpaged.compilation_cache import ExecutableCache
-from jaxpaged.buckets import bucket, buckets_upto, next_power_of_2, pow2s
+from jaxpaged.sample import sampler
+from jaxpaged.worker.compilation_cache import ExecutableCache
+from jaxpaged.worker.buckets import bucket, buckets_upto, next_power_of_2, pow2s
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import ModelConfig, ModelInput, forward
 from jaxpaged.models.loader import flat_params
 from jaxpaged.pallas_kernels import KV_CACHE_SPEC, StepLimits, copy_blocks
 from jaxpaged.pallas_kernels.reference import KV_CODE_DTYPES, QuantizedKVCache
-from jaxpaged.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
-from jaxpaged.scheduler import SchedulerOutput
-from jaxpaged.sequence import Sequence, completion_seed
-from jaxpaged.structured_outputs import allocate_bitmask, fill_bitmask
+from jaxpaged.sample.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
+from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.core.sequence import Sequence, completion_seed
+from jaxpaged.sample.structured_outputs import allocate_bitmask, fill_bitmask
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 
 One process per host, each seeing its own devices; after `init_distributed`, `jax.devices()`
 lists every process's, and one `Mesh` spans them all (JAX's multi-controller model: every
-process runs the same computations in the same order; see `jaxpaged.multihost` for how the
+process runs the same computations in the same order; see `jaxpaged.distributed.multihost` for how the
 engine keeps them in step).
 """
 

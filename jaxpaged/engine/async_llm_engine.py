@@ -27,10 +27,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from jaxpaged.llm_engine import LLMEngine
+from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.structured_outputs import StructuredOutputsParams
+from jaxpaged.sample.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.buckets import next_power_of_2
+from jaxpaged.worker.buckets import next_power_of_2
 
 # Candidates taken for a top-p row when no top-k bounds it; its nucleus is found by bisection
 # when these do not hold it.
@@ -57,7 +57,7 @@ class SamplingMetadata:
     min_p: jax.Array | None = None  # f32[R] in [0, 1]
     logit_bias: jax.Array | None = None  # f32[R, V] added to the logits; -inf masks a token
     # i32[R, ceil(V / 32)]: bit t % 32 of word t // 32 set where token t is allowed (structured
-    # outputs' grammars, `jaxpaged.structured_outputs`)
+    # outputs' grammars, `jaxpaged.sample.structured_outputs`)
     token_bitmask: jax.Array | None = None
     output_counts: jax.Array | None = None  # i32[R, V] occurrences in the output so far
     prompt_mask: jax.Array | None = None  # bool[R, V] token occurs in the prompt

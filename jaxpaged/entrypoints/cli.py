@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_platforms", "cpu")
     try:
         if args.command == "prepare":
-            from jaxpaged.model_store import ensure_default_model
+            from jaxpaged.model_loader.model_store import ensure_default_model
             print(ensure_default_model())
             return 0
         if args.command == "import":
@@ -206,7 +206,7 @@ def _turn_ynn_fusions_off() -> None:
     a test calling `main`, keeps its flags)."""
     from jax._src import xla_bridge
 
-    from jaxpaged.llm_engine import YNN_FUSIONS_OFF
+    from jaxpaged.engine.llm_engine import YNN_FUSIONS_OFF
 
     if not xla_bridge.backends_are_initialized():
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {YNN_FUSIONS_OFF}".strip()
@@ -228,8 +228,8 @@ def _import(args: argparse.Namespace) -> int:
     """Imports into a new folder (`model_store.write_aside`), so a failed import leaves nothing."""
     from pathlib import Path
 
-    from jaxpaged.gguf_import import import_gguf
-    from jaxpaged.model_store import jaxpaged_home, write_aside
+    from jaxpaged.model_loader.gguf_import import import_gguf
+    from jaxpaged.model_loader.model_store import jaxpaged_home, write_aside
 
     src = Path(args.gguf).expanduser()
     if not src.is_file():
@@ -248,8 +248,8 @@ def _convert(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from jaxpaged.gguf_import import import_gguf
-    from jaxpaged.model_store import write_aside
+    from jaxpaged.model_loader.gguf_import import import_gguf
+    from jaxpaged.model_loader.model_store import write_aside
     from jaxpaged.models.registry import convert_to_orbax
 
     src, out = Path(args.src).expanduser(), Path(args.out).expanduser()
@@ -309,8 +309,8 @@ def _engine_options(args: argparse.Namespace, one_shot: int = 0,
 
 def _run_batch(args: argparse.Namespace) -> int:
     """`jaxpaged run-batch`: the OpenAI Batch file through the engine, and its manifest."""
-    from jaxpaged.batch import run_batch
-    from jaxpaged.model_store import DEFAULT_MODEL
+    from jaxpaged.entrypoints.batch import run_batch
+    from jaxpaged.model_loader.model_store import DEFAULT_MODEL
 
     options = _engine_options(args)
     if options["model"] is not None:  # recorded as an absolute folder, for replay from anywhere
@@ -326,7 +326,7 @@ def _run_batch(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     """`jaxpaged replay`: exit 0 when the outputs are identical, 1 at the first difference."""
-    from jaxpaged.batch import replay
+    from jaxpaged.entrypoints.batch import replay
 
     code, message = replay(args.manifest, args.output_file)
     print(message)
@@ -335,9 +335,9 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Serves HTTP on process 0; with several processes, the others follow its engine calls
-    (`jaxpaged.multihost`)."""
-    from jaxpaged.model_store import DEFAULT_MODEL
-    from jaxpaged.multihost import LeaderEngine, follow
+    (`jaxpaged.distributed.multihost`)."""
+    from jaxpaged.model_loader.model_store import DEFAULT_MODEL
+    from jaxpaged.distributed.multihost import LeaderEngine, follow
     from jaxpaged.server import run_server
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -370,9 +370,9 @@ def _one_shot_pool(args: argparse.Namespace, num_seqs: int) -> int | None:
     fill, within the 2 GiB default (a smaller pool starts faster: its memory is zeroed)."""
     if args.num_kv_blocks is not None or args.kv_cache_memory_bytes is not None:
         return None
-    from jaxpaged.llm_engine import resolve_dtype, resolve_kv_cache_dtype
-    from jaxpaged.model_runner import kv_cache_bytes_per_token
-    from jaxpaged.model_store import resolve_model
+    from jaxpaged.engine.llm_engine import resolve_dtype, resolve_kv_cache_dtype
+    from jaxpaged.worker.model_runner import kv_cache_bytes_per_token
+    from jaxpaged.model_loader.model_store import resolve_model
     from jaxpaged.models import load_config
 
     config = load_config(resolve_model(args.model))

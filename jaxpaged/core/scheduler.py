@@ -20,7 +20,7 @@ with no decodes uses the whole budget, so an idle engine starts a prompt as fast
 prompt that wants prompt log-probabilities is computed in one piece, and is not capped.
 
 A decoding sequence with speculative proposals (`seq.spec_token_ids`, set by the engine's
-proposer before the step; `jaxpaged.spec_decode`) computes them after its last token, as far as
+proposer before the step; `jaxpaged.spec_decode.proposers`) computes them after its last token, as far as
 the budget and free blocks allow (proposals are dropped before anything is preempted for them);
 `update_from_output` appends the tokens the runner accepted and gives back the rest's slots.
 
@@ -41,9 +41,9 @@ from collections import deque
 from collections.abc import Callable, Collection
 from typing import Protocol
 
-from jaxpaged.block_manager import BlockManager
+from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.config import SchedulerConfig
-from jaxpaged.sequence import Sequence, SequenceStatus, completion_seed
+from jaxpaged.core.sequence import Sequence, SequenceStatus, completion_seed
 
 
 @dataclasses.dataclass
@@ -54,7 +54,7 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int]  # new tokens per row: a decode's 1, or a prompt chunk
     preempted: list[Sequence]  # sent back to waiting while building this step
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
-    # Per row, the speculative tokens it verifies after its last token (`jaxpaged.spec_decode`;
+    # Per row, the speculative tokens it verifies after its last token (`jaxpaged.spec_decode.proposers`;
     # counted in its `num_scheduled_tokens`), [] for most rows.
     spec_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
 
@@ -223,7 +223,7 @@ class Scheduler:
             q = 1 if decoding else self._prefill_tokens(seq, remaining, budget)
             if q == 0:  # a prompt chunk held back by the prefill cap
                 continue
-            # Proposals (`jaxpaged.spec_decode`) ride along as far as the budget and the free
+            # Proposals (`jaxpaged.spec_decode.proposers`) ride along as far as the budget and the free
             # blocks allow once the later decodes have theirs; cut to fit, never a preemption.
             spec = seq.spec_token_ids[:max(0, budget - 1 - decodes_left)] if decoding else []
             seq.spec_token_ids = []

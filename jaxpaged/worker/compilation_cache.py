@@ -98,7 +98,7 @@ def resolve_cache_dir(option: str | os.PathLike | None = "auto") -> Path | None:
     if option == "auto":
         option = os.environ.get(ENV_VAR)
         if option is None:
-            from jaxpaged.model_store import jaxpaged_home  # not at top: it imports the models
+            from jaxpaged.model_loader.model_store import jaxpaged_home  # not at top: it imports the models
             option = jaxpaged_home() / "compile-cache"
     if option is None or str(option).strip().lower() in _OFF:
         return None

@@ -1,0 +1,1 @@
+"""Several devices and processes: the mesh, `jax.distributed`, the multi-process engine."""

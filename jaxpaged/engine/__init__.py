@@ -1,0 +1,1 @@
+"""The engine: requests in, scheduled steps, outputs out (sync and asyncio)."""

@@ -1,0 +1,1 @@
+"""Finding and importing models: the model store, GGUF files, tokenizers."""

@@ -1,0 +1,1 @@
+"""The platform jaxpaged runs on (CPU, CUDA GPU): defaults, kernels, batch invariance."""

@@ -1,0 +1,1 @@
+"""Sampling: the sampler, the rejection sampler, structured outputs."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: its config, the proposers, and their registry."""

@@ -1,0 +1,1 @@
+"""The device side: the model runner, the KV cache, step buckets, compiled-step cache."""
