@@ -17,10 +17,13 @@ def test_wheel_puts_only_jaxpaged_at_top_level(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"jaxpaged", next(t for t in tops if t.endswith(".dist-info"))}
     for module in ("jaxpaged/models/llama.py", "jaxpaged/pallas_kernels/reference.py",
-                   "jaxpaged/server/__init__.py", "jaxpaged/llm.py",
+                   "jaxpaged/server/__init__.py", "jaxpaged/entrypoints/llm.py",
                    "jaxpaged/pallas_kernels/csrc/paged_attention_cpu.cc",
                    "jaxpaged/pallas_kernels/csrc/int8_matmul_cpu.cc"):
         assert module in names
+    # Every subsystem folder of jaxpaged/ is a package of the wheel (pyproject lists them).
+    for init in (ROOT / "jaxpaged").rglob("__init__.py"):
+        assert init.relative_to(ROOT).as_posix() in names, init
 
     # Installed from the wheel (ahead of the editable install on sys.path), it imports.
     target = tmp_path / "site"
