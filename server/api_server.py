@@ -45,7 +45,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     """The app serving `engine` as model `model_name`; `/v1/*` needs `api_key` if one is set;
     `tool_call_parser` (a name in `tool_calls.TOOL_CALL_PARSERS`) allows `tool_choice="auto"`;
     `generation_defaults` (`LLM.generation_defaults`) fill the sampling fields a request leaves
-    out; `reasoning_parser` (a name in `reasoning.REASONING_PARSERS`) returns chats' thinking as
+    out; `reasoning_parser` (a name in `jaxpaged.reasoning.REASONING_PARSERS`) returns chats' thinking as
     `reasoning_content`.
 
     The engine's step loop starts and stops with the app (its lifespan).

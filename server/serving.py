@@ -29,11 +29,10 @@ from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedE
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server import protocol as api
 from jaxpaged.server.logprobs import chat_logprobs, completion_logprobs
-from jaxpaged.server.reasoning import ReasoningStream
-from jaxpaged.server.reasoning import reasoning_parser as reasoning_parser_named
+from jaxpaged.reasoning import ReasoningStream, get_reasoning_parser
 from jaxpaged.server.tool_calls import (TOOL_CALL_PARSERS, NamedFunction, RequiredCalls,
                                         ToolCallStream, parameters_schema)
-from jaxpaged.sample.structured_outputs import StructuredOutputsParams, think_token_ids
+from jaxpaged.sample.structured_outputs import StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -82,7 +81,7 @@ class OpenAIServing:
         """`tool_call_parser`: a name in `TOOL_CALL_PARSERS`, to allow `tool_choice="auto"`.
         `generation_defaults`: the sampling values a request leaves out (`LLM.generation_defaults`:
         the model's generation config), `max_tokens` among them. `reasoning_parser`: a name in
-        `reasoning.REASONING_PARSERS`, to return the thinking as `reasoning_content` (None: the
+        `jaxpaged.reasoning.REASONING_PARSERS`, to return the thinking as `reasoning_content` (None: the
         engine's `reasoning_parser`, if it has one).
 
         Raises:
@@ -99,11 +98,12 @@ class OpenAIServing:
         # with the same parser (`LLM(reasoning_parser=...)`); the server follows the engine's.
         engine_parser = getattr(engine.engine, "reasoning_parser", None)
         reasoning_parser = reasoning_parser or engine_parser
-        self.reasoning = reasoning_parser_named(reasoning_parser)
+        self.reasoning = get_reasoning_parser(reasoning_parser)
         # (<think>, </think>) ids, to count reasoning tokens; None for tags of several tokens
         self.think_token_ids = (
             getattr(engine.engine, "think_token_ids", None) if reasoning_parser == engine_parser
-            else think_token_ids(engine.engine.tokenizer, reasoning_parser))
+            else None if self.reasoning is None
+            else self.reasoning.think_token_ids(engine.engine.tokenizer))
         self.constraints_after_reasoning = (engine_parser == reasoning_parser
                                             and self.think_token_ids is not None)
 

@@ -80,16 +80,16 @@ def test_import_needs_no_torch(tmp_path):
                                         "phi3"])
 def test_engine_tokenizer_equals_auto_tokenizer(default_model_dir, tmp_path, model_type):
     """The engine loads the generic fast tokenizer class directly where AutoTokenizer would
-    load it too (`_load_tokenizer`), and goes through AutoTokenizer where transformers forces
+    load it too (`load_tokenizer`), and goes through AutoTokenizer where transformers forces
     a class of its own (qwen2, phi3): the same tokenizer either way."""
     from transformers import AutoTokenizer
 
     from conftest import copy_tokenizer
-    from jaxpaged.engine.llm_engine import _load_tokenizer
+    from jaxpaged.model_loader.tokenizer import load_tokenizer
 
     copy_tokenizer(default_model_dir, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
-    ours, reference = _load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    ours, reference = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
     assert type(ours) is type(reference)
     for text in TEXTS + ["e\u0301 combining, ﬁ ligature"]:
         assert ours(text).input_ids == reference(text).input_ids, text
@@ -106,8 +106,8 @@ def test_engine_tokenizer_imports_no_torch(default_model_dir):
 
     code = ("import sys\n"
             "from pathlib import Path\n"
-            "from jaxpaged.engine.llm_engine import _load_tokenizer\n"
-            f"_load_tokenizer(Path({str(default_model_dir)!r}))\n"
+            "from jaxpaged.model_loader.tokenizer import load_tokenizer\n"
+            f"load_tokenizer(Path({str(default_model_dir)!r}))\n"
             "print('torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=600)

@@ -13,7 +13,7 @@ import pytest
 from server_utils import ServerThread
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.server.reasoning import reasoning_parser
+from jaxpaged.reasoning import get_reasoning_parser
 from jaxpaged.sample.structured_outputs import (ReasoningGate, StructuredOutputsParams,
                                          allocate_bitmask, fill_bitmask)
 
@@ -34,13 +34,13 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|i
     ("deepseek_r1", "still thinking", ("still thinking", None)),
 ])
 def test_split(name, text, expected):
-    assert reasoning_parser(name).split(text) == expected
+    assert get_reasoning_parser(name).split(text) == expected
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
 def test_stream_equals_split_at_any_cut(name):
     """Fed in pieces of every size (tags cut anywhere), a stream sends what `split` finds."""
-    parser = reasoning_parser(name)
+    parser = get_reasoning_parser(name)
     for text in ("<think>abc</think>answer", "abc</think>x", "plain answer", "<think>open"):
         for size in range(1, len(text) + 1):
             stream, reasoning, answer = parser.stream(), "", ""
@@ -54,7 +54,7 @@ def test_stream_equals_split_at_any_cut(name):
 
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="reasoning_parser 'o1'"):
-        reasoning_parser("o1")
+        get_reasoning_parser("o1")
 
 
 @pytest.fixture(scope="module")

@@ -138,29 +138,6 @@ class GrammarCompiler:
         return template.deep_copy()
 
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # both write their thinking inside these tags
-THINK_START, THINK_END = "<think>", "</think>"
-
-
-def think_token_ids(tokenizer, reasoning_parser: str) -> tuple[int, int] | None:
-    """(id of `<think>`, id of `</think>`), or None where either tag is several tokens of
-    `tokenizer` (the reasoning is then split from the text, and no gate can watch for it).
-
-    Raises:
-      ValueError: an unknown `reasoning_parser`.
-    """
-    if reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"reasoning_parser {reasoning_parser!r} is not one of "
-                         f"{list(REASONING_PARSERS)}")
-    ids = []
-    for tag in (THINK_START, THINK_END):
-        encoded = tokenizer.encode(tag, add_special_tokens=False)
-        if len(encoded) != 1:
-            return None
-        ids.append(encoded[0])
-    return ids[0], ids[1]
-
-
 class ReasoningGate:
     """A request's grammar held back until its reasoning ends: every token is allowed until
     the `</think>` token, then `matcher` constrains the answer (vLLM's structured outputs skip

@@ -1,6 +1,8 @@
-"""Reasoning parsers (`jaxpaged serve --reasoning-parser NAME`): a reasoning model's thinking,
-written between `<think>` and `</think>`, returned apart from its answer as
-`reasoning_content` (vLLM's field) in chat messages and stream deltas.
+"""Reasoning parsers, one registry for the engine and the server (`LLM(reasoning_parser=NAME)`,
+`jaxpaged serve --reasoning-parser NAME`): a reasoning model's thinking, written between
+`<think>` and `</think>`, is returned apart from its answer as `reasoning_content` (vLLM's
+field) in chat messages and stream deltas, and the engine holds structured outputs back until
+it ends (`sample.structured_outputs.ReasoningGate`, which watches for the tags' token ids).
 
   qwen3        Qwen3: an output that opens with `<think>` reasons until `</think>`, then
                answers (never closed: all reasoning, cut off by its length); one that does
@@ -17,11 +19,26 @@ THINK_START, THINK_END = "<think>", "</think>"
 
 
 class ReasoningParser:
-    """Splits a model's output into (reasoning, answer), whole or as a stream."""
+    """Splits a model's output into (reasoning, answer), whole or as a stream.
 
-    def __init__(self, starts_inside: bool):
+    A new parser is one subclass (or instance) and one line in `REASONING_PARSERS`."""
+
+    def __init__(self, name: str, starts_inside: bool):
+        self.name = name
         # Whether an output without `</think>` is reasoning (the prompt opened it) or answer.
         self.starts_inside = starts_inside
+
+    def think_token_ids(self, tokenizer) -> tuple[int, int] | None:
+        """(id of `<think>`, id of `</think>`) in `tokenizer`, or None where either tag is
+        several tokens (the reasoning is then split from the text, and no gate can watch for
+        it)."""
+        ids = []
+        for tag in (THINK_START, THINK_END):
+            encoded = tokenizer.encode(tag, add_special_tokens=False)
+            if len(encoded) != 1:
+                return None
+            ids.append(encoded[0])
+        return ids[0], ids[1]
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, answer) of a whole output; None for a part that is absent."""
@@ -80,11 +97,11 @@ class ReasoningStream:
         return r or None, a or None
 
 
-REASONING_PARSERS = {"qwen3": lambda: ReasoningParser(starts_inside=False),
-                     "deepseek_r1": lambda: ReasoningParser(starts_inside=True)}
+REASONING_PARSERS = {"qwen3": lambda: ReasoningParser("qwen3", starts_inside=False),
+                     "deepseek_r1": lambda: ReasoningParser("deepseek_r1", starts_inside=True)}
 
 
-def reasoning_parser(name: str | None) -> ReasoningParser | None:
+def get_reasoning_parser(name: str | None) -> ReasoningParser | None:
     """The parser called `name` (None: none).
 
     Raises:
