@@ -39,7 +39,9 @@ run: install
 
 test: install-test
 	# Two worker processes, each taking whole test files (module fixtures are built once).
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30 tests
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30 -m "not timing" tests
+	# The wall-clock tier (soak, latency gaps) after the rest, one process alone on the machine.
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -m timing tests
 
 # The tunix adapter (`jaxpaged.integrations.tunix`) in its own virtualenv: tunix's pins differ
 # from the test environment's (see pyproject.toml).

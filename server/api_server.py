@@ -32,8 +32,10 @@ import jaxpaged
 from jaxpaged.engine.async_llm_engine import AsyncLLMEngine
 from jaxpaged.server import protocol as api
 from jaxpaged.server.metrics import ServerMetrics
-from jaxpaged.server.responses import ResponsesRequest, ResponsesServing
-from jaxpaged.server.serving import APIError, OpenAIServing, parse_body
+from jaxpaged.server.responses import ResponsesServing
+from jaxpaged.server.responses_protocol import ResponsesRequest
+from jaxpaged.server.errors import APIError, parse_body
+from jaxpaged.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +47,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     """The app serving `engine` as model `model_name`; `/v1/*` needs `api_key` if one is set;
     `tool_call_parser` (a name in `tool_calls.TOOL_CALL_PARSERS`) allows `tool_choice="auto"`;
     `generation_defaults` (`LLM.generation_defaults`) fill the sampling fields a request leaves
-    out; `reasoning_parser` (a name in `jaxpaged.reasoning.REASONING_PARSERS`) returns chats' thinking as
-    `reasoning_content`.
+    out; `reasoning_parser` (a name in `jaxpaged.reasoning.REASONING_PARSERS`) returns chats'
+    thinking as `reasoning_content`.
 
     The engine's step loop starts and stops with the app (its lifespan).
     """
@@ -55,78 +57,21 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                             tool_call_parser=tool_call_parser,
                             generation_defaults=generation_defaults,
                             reasoning_parser=reasoning_parser)
-
-    responses = ResponsesServing(serving)
-
-    async def create_response(request: Request) -> Response:
-        req = await _parse(request, ResponsesRequest)
-        return await _respond(request, responses.create(req))
-
-    async def stored_response(request: Request) -> Response:
-        response_id = request.path_params["response_id"]
-        if request.method == "DELETE":
-            return JSONResponse(responses.delete(response_id))
-        return JSONResponse(responses.get(response_id).model_dump(mode="json"))
-
-    async def completions(request: Request) -> Response:
-        req = await _parse(request, api.CompletionRequest)
-        return await _respond(request, serving.create_completion(req))
-
-    async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, api.ChatCompletionRequest)
-        return await _respond(request, serving.create_chat_completion(req))
-
-    def card() -> api.ModelCard:
-        return api.ModelCard(id=model_name, root=model_root, max_model_len=engine.max_model_len)
-
-    async def embeddings(request: Request) -> Response:
-        req = await _parse(request, api.EmbeddingRequest)
-        return await _respond(request, serving.create_embedding(req))
-
-    async def models(request: Request) -> Response:
-        return JSONResponse(api.ModelList(data=[card()]).model_dump())
-
-    async def model(request: Request) -> Response:
-        if request.path_params["model"] != model_name:
-            model = request.path_params["model"]
-            return _error(APIError(f"The model `{model}` does not exist.", 404, "model",
-                                   "model_not_found"))
-        return JSONResponse(card().model_dump())
-
-    async def health(request: Request) -> Response:
-        if engine.dead is not None:
-            return _error(APIError("the engine stopped on a fatal fault; restart the server",
-                                   503, type="server_error"))
-        return Response(status_code=200)
-
-    async def version(request: Request) -> Response:
-        return JSONResponse({"version": jaxpaged.__version__})
-
-    async def prometheus(request: Request) -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    async def tokenize(request: Request) -> Response:
-        req = await _parse(request, api.TokenizeRequest)
-        serving.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError("give exactly one of prompt and messages", param="prompt")
-        if req.messages is not None:
-            _, ids = await serving.chat_prompt(req.messages, req.add_generation_prompt,
-                                               req.continue_final_message, req.tools)
-        else:
-            ids = await engine.tokenize(req.prompt, req.add_special_tokens)
-        return JSONResponse(api.TokenizeResponse(
-            count=len(ids), max_model_len=engine.max_model_len, tokens=ids).model_dump())
-
-    async def detokenize(request: Request) -> Response:
-        req = await _parse(request, api.DetokenizeRequest)
-        serving.check_model(req.model)
-        bad = [t for t in req.tokens if t >= engine.vocab_size]
-        if bad:
-            raise APIError(f"tokens {bad[:8]} are not ids in [0, {engine.vocab_size})",
-                           param="tokens")
-        return JSONResponse(api.DetokenizeResponse(
-            prompt=await engine.decode(req.tokens)).model_dump())
+    h = _Handlers(engine, model_name, model_root, serving, metrics)
+    routes = [
+        Route("/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/chat/completions", h.chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", h.embeddings, methods=["POST"]),
+        Route("/v1/responses", h.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", h.stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", h.model, methods=["GET"]),
+        Route("/health", h.health, methods=["GET"]),
+        Route("/version", h.version, methods=["GET"]),
+        Route("/metrics", h.prometheus, methods=["GET"]),
+        Route("/tokenize", h.tokenize, methods=["POST"]),
+        Route("/detokenize", h.detokenize, methods=["POST"]),
+    ]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -134,20 +79,6 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         yield
         await engine.shutdown()
 
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
-        Route("/v1/responses", create_response, methods=["POST"]),
-        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model:path}", model, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/version", version, methods=["GET"]),
-        Route("/metrics", prometheus, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-    ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         APIError: lambda request, e: _error(e),
         ClientDisconnect: _client_disconnected,
@@ -158,6 +89,88 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     if api_key is not None:
         app.add_middleware(_BearerAuth, api_key=api_key)
     return app
+
+
+class _Handlers:
+    """The routes' handlers for one served model."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, model_root: str | None,
+                 serving: OpenAIServing, metrics: ServerMetrics):
+        self.engine, self.model_name, self.model_root = engine, model_name, model_root
+        self.serving, self.metrics = serving, metrics
+        self.responses = ResponsesServing(serving)
+
+    async def create_response(self, request: Request) -> Response:
+        req = await _parse(request, ResponsesRequest)
+        return await _respond(request, self.responses.create(req))
+
+    async def stored_response(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            return JSONResponse(self.responses.delete(response_id))
+        return JSONResponse(self.responses.get(response_id).model_dump(mode="json"))
+
+    async def completions(self, request: Request) -> Response:
+        req = await _parse(request, api.CompletionRequest)
+        return await _respond(request, self.serving.create_completion(req))
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = await _parse(request, api.ChatCompletionRequest)
+        return await _respond(request, self.serving.create_chat_completion(req))
+
+    async def embeddings(self, request: Request) -> Response:
+        req = await _parse(request, api.EmbeddingRequest)
+        return await _respond(request, self.serving.create_embedding(req))
+
+    def _card(self) -> api.ModelCard:
+        return api.ModelCard(id=self.model_name, root=self.model_root,
+                             max_model_len=self.engine.max_model_len)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(api.ModelList(data=[self._card()]).model_dump())
+
+    async def model(self, request: Request) -> Response:
+        if request.path_params["model"] != self.model_name:
+            model = request.path_params["model"]
+            return _error(APIError(f"The model `{model}` does not exist.", 404, "model",
+                                   "model_not_found"))
+        return JSONResponse(self._card().model_dump())
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.dead is not None:
+            return _error(APIError("the engine stopped on a fatal fault; restart the server",
+                                   503, type="server_error"))
+        return Response(status_code=200)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": jaxpaged.__version__})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def tokenize(self, request: Request) -> Response:
+        req = await _parse(request, api.TokenizeRequest)
+        self.serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            _, ids = await self.serving.chat_prompt(req.messages, req.add_generation_prompt,
+                                                    req.continue_final_message, req.tools)
+        else:
+            ids = await self.engine.tokenize(req.prompt, req.add_special_tokens)
+        return JSONResponse(api.TokenizeResponse(
+            count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids).model_dump())
+
+    async def detokenize(self, request: Request) -> Response:
+        req = await _parse(request, api.DetokenizeRequest)
+        self.serving.check_model(req.model)
+        vocab_size = self.engine.vocab_size
+        bad = [t for t in req.tokens if t >= vocab_size]
+        if bad:
+            raise APIError(f"tokens {bad[:8]} are not ids in [0, {vocab_size})", param="tokens")
+        return JSONResponse(api.DetokenizeResponse(
+            prompt=await self.engine.decode(req.tokens)).model_dump())
 
 
 async def _parse(request: Request, model: type[pydantic.BaseModel]):

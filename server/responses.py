@@ -28,174 +28,24 @@ import collections
 import itertools
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel
 
 from jaxpaged.errors import EngineDeadError, RequestFailedError
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.server import protocol as api
-from jaxpaged.server.serving import APIError, OpenAIServing, _closing, _failed, parse_body
-from jaxpaged.server.tool_calls import FUNCTION_NAME_PATTERN
+from jaxpaged.server.response_events import (ResponseEvents, call_item, item_status,
+                                             message_item, new_id, reasoning_item)
+from jaxpaged.server.responses_protocol import (CHAT_PARAMS, FunctionCallItem,
+                                                FunctionCallOutputItem, FunctionToolChoice,
+                                                MessageItem, Response, ResponsesRequest)
+from jaxpaged.server.errors import APIError, failed_in_engine, parse_body
+from jaxpaged.server.serving import OpenAIServing
+from jaxpaged.server.streams import closing
 
 MAX_STORED_RESPONSES = 1024
-
-
-# -- request ---------------------------------------------------------------------------------
-
-class InputText(api._Request):
-    type: Literal["input_text", "output_text"]
-    text: str
-    annotations: list[Any] | None = None  # an earlier output's, sent back: not used
-    logprobs: list[Any] | None = None
-
-
-class MessageItem(api._Request):
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
-    id: str | None = None
-    status: str | None = None
-
-
-class FunctionCallItem(api._Request):
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str  # JSON text
-    id: str | None = None
-    status: str | None = None
-
-
-class FunctionCallOutputItem(api._Request):
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str
-    id: str | None = None
-    status: str | None = None
-
-
-class ReasoningItem(api._Request):
-    """An earlier response's reasoning sent back: dropped (chat templates leave it out)."""
-
-    type: Literal["reasoning"]
-    id: str | None = None
-    summary: list[Any] | None = None
-    content: list[Any] | None = None
-    encrypted_content: str | None = None
-    status: str | None = None
-
-
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
-                      Field(discriminator="type")]
-
-
-class FunctionTool(api._Request):
-    type: Literal["function"]
-    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class FunctionToolChoice(api._Request):
-    type: Literal["function"]
-    name: str
-
-
-class TextFormat(api._Request):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class TextConfig(api._Request):
-    format: TextFormat | None = None
-
-
-class ResponsesRequest(api._Request):
-    """`POST /v1/responses` (OpenAI's fields this server serves; `priority` is vLLM's)."""
-
-    model: str | None = None
-    input: str | list[InputItem]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    stream: bool = False
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
-    parallel_tool_calls: bool = True
-    text: TextConfig | None = None
-    store: bool = True
-    previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None  # accepted, unused
-    background: bool = False  # true is refused: responses run in the foreground
-    truncation: Literal["disabled", "auto"] = "disabled"  # "auto" is refused
-    priority: int = 0
-
-    @classmethod
-    def _item_type(cls, item):
-        # An item without a type is a message (OpenAI's EasyInputMessage).
-        if isinstance(item, dict) and "type" not in item and "role" in item:
-            return {"type": "message", **item}
-        return item
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _messages_typed(cls, value):
-        return [cls._item_type(item) for item in value] if isinstance(value, list) else value
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_limits(cls, value):
-        # OpenAI's limits: 16 pairs, keys of at most 64 characters, values of at most 512.
-        if value is not None and (len(value) > 16 or any(
-                len(k) > 64 or len(v) > 512 for k, v in value.items())):
-            raise ValueError("metadata holds at most 16 pairs, keys of at most 64 characters "
-                             "and values of at most 512")
-        return value
-
-
-# -- the served route ------------------------------------------------------------------------
-
-class Response(BaseModel):
-    """The response object (`object: "response"`); items are plain dicts of OpenAI's shapes."""
-
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    completed_at: int | None = None
-    model: str
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
-    error: dict | None = None
-    incomplete_details: dict | None = None
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    output: list[dict] = Field(default_factory=list)
-    parallel_tool_calls: bool
-    previous_response_id: str | None = None
-    store: bool
-    temperature: float
-    top_p: float
-    text: dict
-    tool_choice: str | dict
-    tools: list[dict]
-    truncation: str
-    metadata: dict[str, str] = Field(default_factory=dict)
-    user: str | None = None
-    usage: dict | None = None
-
-
-# Error params of the chat path, named as this route's fields.
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-           "max_tokens": "max_output_tokens", "response_format": "text",
-           "structured_outputs": "text"}
 
 
 class ResponsesServing:
@@ -229,24 +79,24 @@ class ResponsesServing:
             history = self.stored[req.previous_response_id][1]
         conversation = history + _messages(req.input)
         chat = self._chat_request(req, conversation)
-        response_id = f"resp_{uuid.uuid4().hex}"
+        response_id = new_id("resp")
         try:
             streams, tool_calls = await self.serving.start_chat(chat, response_id)
         except APIError as e:
-            e.param = _PARAMS.get(e.param, e.param)
+            e.param = CHAT_PARAMS.get(e.param, e.param)
             raise
         head = self._response(req, response_id)
         if req.stream:
-            return _closing(self._events(req, head, conversation, streams, tool_calls), streams)
+            return closing(self._events(req, head, conversation, streams, tool_calls), streams)
         [final] = await self.serving._final_outputs(streams)
         c = final.outputs[0]
         reasoning, message, finish_reason = self.serving.assistant_message(c, tool_calls)
-        status = _item_status(c.finish_reason)
+        status = item_status(c.finish_reason)
         if reasoning:
-            head.output.append(_reasoning_item(_id("rs"), reasoning, status))
+            head.output.append(reasoning_item(new_id("rs"), reasoning, status))
         if message.content or not (reasoning or message.tool_calls):  # as the stream does
-            head.output.append(_message_item(_id("msg"), message.content or "", status))
-        head.output += [_call_item(_id("fc"), call.id, call.function.name,
+            head.output.append(message_item(new_id("msg"), message.content or "", status))
+        head.output += [call_item(new_id("fc"), call.id, call.function.name,
                                    call.function.arguments, status)
                         for call in message.tool_calls]
         self._finish(head, final, len(c.token_ids), c.finish_reason, c.text, c.token_ids)
@@ -299,7 +149,7 @@ class ResponsesServing:
         try:
             return parse_body(api.ChatCompletionRequest, chat)
         except APIError as e:
-            e.param = _PARAMS.get(e.param, e.param)
+            e.param = CHAT_PARAMS.get(e.param, e.param)
             raise
 
     def _response(self, req: ResponsesRequest, response_id: str) -> Response:
@@ -372,50 +222,13 @@ class ResponsesServing:
                       streams, tool_calls) -> AsyncIterator[str]:
         """The typed events of a streamed response (module doc)."""
         serving = self.serving
-        numbers = itertools.count()
-
-        def event(kind: str, **fields) -> str:
-            data = {"type": kind, "sequence_number": next(numbers), **fields}
-            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
+        events = ResponseEvents(response.output)
         snapshot = lambda: response.model_dump(mode="json")  # noqa: E731
-        yield event("response.created", response=snapshot())
-        yield event("response.in_progress", response=snapshot())
+        yield events.event("response.created", response=snapshot())
+        yield events.event("response.in_progress", response=snapshot())
         split = serving.reasoning.stream() if serving.reasoning is not None else None
         reader = tool_calls() if tool_calls is not None else None
-        open_items: dict[str, int] = {}  # "reasoning" / "message" -> the open item's index
-        calls: dict[int, int] = {}  # tool call index -> its item's index
-        output, final, num_tokens, token_ids, text_so_far = response.output, None, 0, [], ""
-
-        def close(kind: str, status: str = "completed"):
-            index = open_items.pop(kind, None)
-            if index is None:
-                return
-            item = output[index]
-            item["status"] = status
-            if kind == "reasoning":
-                text = item["content"][0]["text"]
-                yield event("response.reasoning_text.done", item_id=item["id"],
-                            output_index=index, content_index=0, text=text)
-            else:
-                part = item["content"][0]
-                yield event("response.output_text.done", item_id=item["id"],
-                            output_index=index, content_index=0, text=part["text"],
-                            logprobs=[])
-                yield event("response.content_part.done", item_id=item["id"],
-                            output_index=index, content_index=0, part=part)
-            yield event("response.output_item.done", output_index=index, item=item)
-
-        def close_calls(status: str):
-            for index in calls.values():
-                item = output[index]
-                if item["status"] == "in_progress":
-                    item["status"] = status
-                    yield event("response.function_call_arguments.done", item_id=item["id"],
-                                output_index=index, name=item["name"],
-                                arguments=item["arguments"])
-                    yield event("response.output_item.done", output_index=index, item=item)
-
+        final, num_tokens, token_ids, text_so_far = None, 0, [], ""
         try:
             async for _, out in serving._outputs(streams):
                 c = out.outputs[0]
@@ -428,83 +241,26 @@ class ResponsesServing:
                 # open before the reasoning).
                 content, deltas = (text or "", []) if reader is None or not (
                     text or done or split is None) else reader.feed(text or "", done)
-                if reasoning:
-                    if "reasoning" not in open_items:
-                        open_items["reasoning"] = len(output)
-                        output.append(_reasoning_item(_id("rs"), "", "in_progress"))
-                        yield event("response.output_item.added", output_index=len(output) - 1,
-                                    item={**output[-1], "content": []})
-                    index = open_items["reasoning"]
-                    output[index]["content"][0]["text"] += reasoning
-                    yield event("response.reasoning_text.delta", item_id=output[index]["id"],
-                                output_index=index, content_index=0, delta=reasoning)
-                if content:
-                    for e in close("reasoning"):
-                        yield e
-                    if "message" not in open_items:
-                        open_items["message"] = len(output)
-                        output.append(_message_item(_id("msg"), "", "in_progress"))
-                        item = output[-1]
-                        yield event("response.output_item.added", output_index=len(output) - 1,
-                                    item={**item, "content": []})
-                        yield event("response.content_part.added", item_id=item["id"],
-                                    output_index=len(output) - 1, content_index=0,
-                                    part=item["content"][0])
-                    index = open_items["message"]
-                    output[index]["content"][0]["text"] += content
-                    yield event("response.output_text.delta", item_id=output[index]["id"],
-                                output_index=index, content_index=0, delta=content,
-                                logprobs=[])
-                for delta in deltas:
-                    for kind in ("reasoning", "message"):
-                        for e in close(kind):
-                            yield e
-                    arguments = delta["function"]["arguments"]
-                    if "id" in delta:  # a new call
-                        calls[delta["index"]] = len(output)
-                        output.append(_call_item(_id("fc"), delta["id"],
-                                                 delta["function"]["name"], "", "in_progress"))
-                        yield event("response.output_item.added", output_index=len(output) - 1,
-                                    item=output[-1])
-                    index = calls[delta["index"]]
-                    output[index]["arguments"] += arguments
-                    if arguments:
-                        yield event("response.function_call_arguments.delta",
-                                    item_id=output[index]["id"], output_index=index,
-                                    delta=arguments)
-                if done:
-                    final, status = out, _item_status(c.finish_reason)
-                    if not output:  # an empty answer: an empty message, as when not streamed
-                        open_items["message"] = 0
-                        output.append(_message_item(_id("msg"), "", "in_progress"))
-                        yield event("response.output_item.added", output_index=0,
-                                    item={**output[0], "content": []})
-                        yield event("response.content_part.added", item_id=output[0]["id"],
-                                    output_index=0, content_index=0,
-                                    part=output[0]["content"][0])
-                    for kind in ("reasoning", "message"):
-                        for e in close(kind, status):
-                            yield e
-                    for e in close_calls(status):
-                        yield e
+                for e in itertools.chain(
+                        events.reasoning(reasoning) if reasoning else (),
+                        events.content(content) if content else (),
+                        *(events.call(delta) for delta in deltas),
+                        events.finish(item_status(c.finish_reason)) if done else ()):
+                    yield e
+                final = out if done else final
             if final is None:
                 raise RequestFailedError("the request was aborted")
         except (RequestFailedError, EngineDeadError) as e:
             response.status = "failed"
-            response.error = {"code": "server_error", "message": str(_failed(e))}
-            yield event("response.failed", response=snapshot())
+            response.error = {"code": "server_error", "message": str(failed_in_engine(e))}
+            yield events.event("response.failed", response=snapshot())
             return
         c = final.outputs[0]
         self._finish(response, final, num_tokens, c.finish_reason, text_so_far, token_ids)
         self._store(req, response, conversation)
         kind = "response.incomplete" if response.status == "incomplete" else \
             "response.completed"
-        yield event(kind, response=snapshot())
-
-
-def _item_status(finish_reason: str | None) -> str:
-    """An output item's status: "incomplete" when max_output_tokens cut the response."""
-    return "incomplete" if finish_reason == "length" else "completed"
+        yield events.event(kind, response=snapshot())
 
 
 def _is_json(text: str) -> bool:
@@ -513,26 +269,6 @@ def _is_json(text: str) -> bool:
     except json.JSONDecodeError:
         return False
     return True
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _reasoning_item(item_id: str, text: str, status: str) -> dict:
-    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}]}
-
-
-def _message_item(item_id: str, text: str, status: str) -> dict:
-    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [],
-                         "logprobs": []}]}
-
-
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
 
 
 def _messages(input_: str | list) -> list[dict]:

@@ -12,63 +12,24 @@ gets a 500 (or, once streaming, an error event before `[DONE]`) with the reason.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import dataclasses
-import json
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Callable
-
-import pydantic
-from pydantic import BaseModel
 
 from jaxpaged.engine.async_llm_engine import AsyncLLMEngine, RequestStream
 from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server import protocol as api
+from jaxpaged.server.chat_utils import answer_message, has_constraint, template_message
+from jaxpaged.server.errors import APIError, failed_in_engine
 from jaxpaged.server.logprobs import chat_logprobs, completion_logprobs
 from jaxpaged.reasoning import ReasoningStream, get_reasoning_parser
+from jaxpaged.server.streams import (Progress, PromptOnly, closing, drop_none_deltas, merge,
+                                     sse)
 from jaxpaged.server.tool_calls import (TOOL_CALL_PARSERS, NamedFunction, RequiredCalls,
                                         ToolCallStream, parameters_schema)
 from jaxpaged.sample.structured_outputs import StructuredOutputsParams
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's body `{"error": {message, type, param, code}}`."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.param, self.code, self.type = status, param, code, type
-
-    def body(self) -> dict:
-        return api.ErrorResponse(error=api.ErrorInfo(
-            message=str(self), type=self.type, param=self.param, code=self.code)).model_dump()
-
-
-def parse_body(model: type[BaseModel], body: bytes | str | dict) -> BaseModel:
-    """A request body (JSON text, or already decoded) as `model`; 400 naming the first bad
-    field (the top-level field in `param`, its full path in the message)."""
-    try:
-        if isinstance(body, dict):
-            return model.model_validate(body)
-        return model.model_validate_json(body)
-    except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        path = ".".join(str(part) for part in first["loc"])
-        raise APIError(f"{path}: {first['msg']}" if path else first["msg"],
-                       param=str(first["loc"][0]) if first["loc"] else None) from e
-
-
-def sse(data: BaseModel | dict | str) -> str:
-    """One server-sent event."""
-    if isinstance(data, BaseModel):
-        data = data.model_dump_json()
-    elif isinstance(data, dict):
-        data = api.ErrorResponse.model_validate(data).model_dump_json()
-    return f"data: {data}\n\n"
 
 
 class OpenAIServing:
@@ -174,7 +135,7 @@ class OpenAIServing:
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as the engine produces them; closing aborts the rest."""
         try:
-            async for i, output in _merge(streams):
+            async for i, output in merge(streams):
                 if output.finished:
                     self.on_finished(output)
                 yield i, output
@@ -188,7 +149,7 @@ class OpenAIServing:
             async for i, output in self._outputs(streams):
                 finals[i] = output
         except (RequestFailedError, EngineDeadError) as e:
-            raise _failed(e) from e
+            raise failed_in_engine(e) from e
         if not all(f is not None and f.finished for f in finals):
             raise APIError("the request was aborted", 500, type="server_error")
         return finals
@@ -242,9 +203,9 @@ class OpenAIServing:
                                   {"prompt_logprobs": "logprobs",
                                    "structured_outputs": req.constraint_field}, req.priority)
         if prompt_only:
-            streams = [_PromptOnly(stream) for stream in streams]
+            streams = [PromptOnly(stream) for stream in streams]
         if req.stream:
-            return _closing(self._completion_stream(req, request_id, prompts, streams), streams)
+            return closing(self._completion_stream(req, request_id, prompts, streams), streams)
         finals = await self._final_outputs(streams)
         choices = [self._completion_choice(req, i * req.n + c.index, prompts[i], f, c)
                    for i, f in enumerate(finals) for c in f.outputs]
@@ -281,7 +242,7 @@ class OpenAIServing:
                                               model=self.model_name, choices=choices,
                                               usage=usage))
 
-        def choices_of(i: int, output: RequestOutput, progress: _Progress) -> list:
+        def choices_of(i: int, output: RequestOutput, progress: Progress) -> list:
             if output.prompt_logprobs is not None:
                 prompt_logprobs[i] = output.prompt_logprobs
             choices = []
@@ -303,7 +264,7 @@ class OpenAIServing:
         """A stream's SSE events: `first_choices` if given, then one chunk per engine output
         with something new (`choices_of(prompt index, output, progress)`), the usage chunk if
         asked, an error event if the engine fails, and `[DONE]` last."""
-        progress, finals, num_completion_tokens = _Progress(), [], 0
+        progress, finals, num_completion_tokens = Progress(), [], 0
         try:
             if first_choices is not None:
                 yield chunk(first_choices)
@@ -317,7 +278,7 @@ class OpenAIServing:
             if include_usage:
                 yield chunk([], self._usage(finals, num_completion_tokens))
         except (RequestFailedError, EngineDeadError) as e:
-            yield sse(_failed(e).body())
+            yield sse(failed_in_engine(e).body())
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions ---------------------------------------------------------------
@@ -363,7 +324,7 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams, tool_calls = await self.start_chat(req, request_id)
         if req.stream:
-            return _closing(self._chat_stream(req, request_id, streams, tool_calls), streams)
+            return closing(self._chat_stream(req, request_id, streams, tool_calls), streams)
         [final] = await self._final_outputs(streams)
         choices = []
         for c in final.outputs:
@@ -388,7 +349,7 @@ class OpenAIServing:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         tool_calls = await self._tool_calls(req)
         if (self.reasoning is not None and not self.constraints_after_reasoning
-                and _has_constraint(req)):
+                and has_constraint(req)):
             raise APIError("structured outputs and required or named tool calls need the "
                            "engine built with the server's reasoning parser (`LLM(reasoning_"
                            "parser=...)`), or the constraint would apply to the reasoning too",
@@ -417,7 +378,7 @@ class OpenAIServing:
         by the reasoning parser, its answer read for tool calls."""
         reasoning, answer = (None, c.text) if self.reasoning is None \
             else self.reasoning.split(c.text)
-        message, finish_reason = _assistant_message(answer or "", c.finish_reason, tool_calls)
+        message, finish_reason = answer_message(answer or "", c.finish_reason, tool_calls)
         message.reasoning_content = reasoning
         if reasoning is not None and answer is None and not message.tool_calls:
             message.content = None
@@ -462,7 +423,7 @@ class OpenAIServing:
                           template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """(text, ids) of the conversation (and the tools) under the chat template; 400 if it
         is rejected."""
-        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+        conversation = [template_message(i, m) for i, m in enumerate(messages)]
         tool_dicts = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
         try:
             return await self.engine.chat_prompt(
@@ -485,7 +446,7 @@ class OpenAIServing:
         thinking: dict[int, ReasoningStream] = {}  # choice index -> its reasoning split
 
         def chunk(choices, usage=None):
-            return sse(_drop_none_deltas(api.ChatCompletionChunk(
+            return sse(drop_none_deltas(api.ChatCompletionChunk(
                 id=request_id, created=created, model=self.model_name, choices=choices,
                 usage=usage)))
 
@@ -515,7 +476,7 @@ class OpenAIServing:
                 logprobs=self._chat_logprobs(req, c.token_ids, c.logprobs),
                 stop_reason=c.stop_reason)
 
-        def choices_of(_: int, output: RequestOutput, progress: _Progress) -> list:
+        def choices_of(_: int, output: RequestOutput, progress: Progress) -> list:
             return [x for c in output.outputs
                     if progress.advance(c.index, c, req.logprobs) is not None
                     and (x := choice(c)) is not None]
@@ -524,38 +485,6 @@ class OpenAIServing:
                                                                       content=""))
                  for j in range(req.n)]
         return self._events(streams, chunk, choices_of, req.include_usage, roles)
-
-
-class _Progress:
-    """What a stream has sent of each choice: its characters so far (for the text offsets of
-    logprobs), and which choices have finished. The engine's outputs are deltas (DELTA)."""
-
-    def __init__(self):
-        self.sent_chars: dict[int, int] = {}
-        self.done: set[int] = set()
-
-    def advance(self, index: int, c: CompletionOutput, with_tokens: bool,
-                send_first: bool = False) -> int | None:
-        """The characters of choice `index` sent before, if the delta `c` has something to
-        send (text, tokens when `with_tokens`, its finish, or anything at all the first time
-        when `send_first`); None when there is nothing new or the choice has finished."""
-        if index in self.done:
-            return None
-        if not (c.text or (with_tokens and c.token_ids) or c.finish_reason
-                or (send_first and index not in self.sent_chars)):
-            return None
-        sent = self.sent_chars.get(index, 0)
-        self.sent_chars[index] = sent + len(c.text)
-        if c.finish_reason:
-            self.done.add(index)
-        return sent
-
-
-def _closing(events: AsyncIterator[str], streams: list[RequestStream]) -> AsyncIterator[str]:
-    """`events`, with its requests aborted when it is dropped even if never started (a client
-    that disconnects before the first chunk; an unstarted generator runs no `finally`)."""
-    weakref.finalize(events, lambda: [stream.close() for stream in streams])
-    return events
 
 
 def _split_prompts(prompt, param: str = "prompt") -> list[str | dict]:
@@ -568,123 +497,3 @@ def _split_prompts(prompt, param: str = "prompt") -> list[str | dict]:
     return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
-def _template_message(index: int, message: api.ChatMessage) -> dict:
-    """A message as chat templates read it (Hugging Face's convention): text content, an
-    assistant's `tool_calls` with their arguments as a mapping, a tool's `tool_call_id`."""
-    out = {"role": message.role, "content": _text_content(message)}
-    if message.tool_calls:
-        out["tool_calls"] = []
-        for j, call in enumerate(message.tool_calls):
-            try:
-                arguments = json.loads(call.function.arguments)
-            except json.JSONDecodeError as e:
-                raise APIError(f"messages[{index}].tool_calls[{j}].function.arguments is not "
-                               f"JSON: {e}", param="messages") from e
-            out["tool_calls"].append({"id": call.id, "type": "function", "function": {
-                "name": call.function.name, "arguments": arguments}})
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    return out
-
-
-def _assistant_message(text: str, finish_reason: str | None,
-                       tool_calls: Callable[[], ToolCallStream] | None
-                       ) -> tuple[api.AssistantMessage, str | None]:
-    """A finished choice's message and finish reason from its answer text, its tool calls read
-    if there are tools."""
-    if tool_calls is None:
-        return api.AssistantMessage(content=text), finish_reason
-    reader = tool_calls()
-    reader.feed(text, final=True)
-    calls = [api.ToolCall(id=call.id, function=api.FunctionCall(
-        name=call.name, arguments=call.arguments)) for call in reader.calls]
-    content = reader.content if reader.content.strip() or not calls else None
-    return (api.AssistantMessage(content=content, tool_calls=calls),
-            reader.finish_reason(finish_reason))
-
-
-def _has_constraint(req: api.ChatCompletionRequest) -> bool:
-    """Whether the chat request sets a structured-output constraint (tool calls included)."""
-    try:
-        return req.constraint() is not None
-    except InvalidRequestError as e:
-        raise APIError(str(e), param=e.param) from e
-
-
-def _text_content(message: api.ChatMessage) -> str:
-    """A message's text; content parts other than text get a 400."""
-    if message.content is None or isinstance(message.content, str):
-        return message.content or ""
-    parts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
-            raise APIError(f"content part of type {part.type!r} is not supported; only text",
-                           param="messages")
-        parts.append(part.text)
-    return "\n".join(parts)
-
-
-def _drop_none_deltas(chunk: api.ChatCompletionChunk) -> str:
-    """JSON of a chunk whose deltas carry only the fields they set (`role` once, then text)."""
-    data = chunk.model_dump(mode="json")
-    for choice, original in zip(data["choices"], chunk.choices):
-        choice["delta"] = original.delta.model_dump(mode="json", exclude_none=True)
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-
-
-def _failed(e: RequestFailedError | EngineDeadError) -> APIError:
-    """The 500 of a request that failed in the engine, with the reason."""
-    what = "the request failed in the engine" if isinstance(e, RequestFailedError) else \
-        "the engine stopped on a fatal fault"
-    return APIError(f"{what}: {e}", 500, type="server_error")
-
-
-class _PromptOnly:
-    """A request's stream with its one generated token left out of each output (an echo with
-    `max_tokens` 0): no text, ids or logprobs, finish reason "length"."""
-
-    def __init__(self, stream: RequestStream):
-        self.stream = stream
-
-    def close(self) -> None:
-        self.stream.close()
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        async for output in self.stream:
-            yield dataclasses.replace(output, outputs=[dataclasses.replace(
-                c, text="", token_ids=[], cumulative_logprob=0.0,
-                logprobs=None if c.logprobs is None else [],
-                finish_reason=c.finish_reason and "length", stop_reason=None)
-                for c in output.outputs])
-
-
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleaves several streams' outputs in arrival order, as (stream index, output)."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream):
-        try:
-            async for output in stream:
-                queue.put_nowait((i, output))
-        except Exception as e:
-            queue.put_nowait((i, e))
-        queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()

@@ -199,6 +199,7 @@ def test_32_concurrent_requests(server, tiny_llm):
 
 # -- 3. a client that disconnects is aborted -------------------------------------------------
 
+@pytest.mark.timing
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts_the_request(server, stream):
     body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 2000, "ignore_eos": True,

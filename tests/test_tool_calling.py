@@ -225,7 +225,8 @@ def test_auto_reads_the_models_own_calls_only_with_a_parser(client, server):
     assert choice.finish_reason == "length"
 
     from jaxpaged.server import protocol as api
-    from jaxpaged.server.serving import APIError, OpenAIServing
+    from jaxpaged.server.errors import APIError
+    from jaxpaged.server.serving import OpenAIServing
 
     no_parser = OpenAIServing(server.engine, "smollm2")
     request = api.ChatCompletionRequest.model_validate({"messages": QUESTION, "tools": TOOLS})

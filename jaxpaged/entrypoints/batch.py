@@ -100,7 +100,7 @@ def environment() -> dict:
 
 
 def _error_line(custom_id, status: int, error) -> dict:
-    from jaxpaged.server.serving import APIError
+    from jaxpaged.server.errors import APIError
 
     body = error.body() if isinstance(error, APIError) else None
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
@@ -111,7 +111,7 @@ def _error_line(custom_id, status: int, error) -> dict:
 async def _run_line(serving, index: int, line: str, seed: int, seeds: dict) -> dict:
     """One input line's output line."""
     from jaxpaged.server import protocol as api
-    from jaxpaged.server.serving import APIError, parse_body
+    from jaxpaged.server.errors import APIError, parse_body
 
     try:
         data = json.loads(line)
