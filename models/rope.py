@@ -177,6 +177,24 @@ class HFRope(NamedTuple):
     scaling: RopeScaling
 
 
+def _rope_dict(d: Mapping[str, Any], layer_type: str | None) -> tuple[Mapping, bool]:
+    """(the rope dict of `layer_type`, whether the config nests them by layer type); see
+    `parse_hf_rope`."""
+    rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"rope_scaling / rope_parameters must be a dict, got {rope!r}")
+    nested = [k for k, v in rope.items() if isinstance(v, Mapping) or v is None]
+    nested = nested if any(isinstance(rope[k], Mapping) for k in nested) else []
+    if not nested:
+        return rope, False
+    if layer_type is None:
+        raise ValueError(f"rope parameters are nested by layer type ({nested}); pass layer_type")
+    if not isinstance(rope.get(layer_type), Mapping):
+        raise ValueError(f"rope parameters have no dict for layer type {layer_type!r} "
+                         f"(they have {nested})")
+    return rope[layer_type], True
+
+
 def parse_hf_rope(d: Mapping[str, Any], *, default_theta: float = 10000.0,
                   type_aliases: Mapping[str, str] | None = None,
                   layer_type: str | None = None) -> HFRope:
@@ -214,19 +232,7 @@ def parse_hf_rope(d: Mapping[str, Any], *, default_theta: float = 10000.0,
         type requires missing (named) or invalid, nested rope parameters without `layer_type` (or
         without that layer type), or theta / partial_rotary_factor out of range.
     """
-    rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
-    if not isinstance(rope, Mapping):
-        raise ValueError(f"rope_scaling / rope_parameters must be a dict, got {rope!r}")
-    nested = [k for k, v in rope.items() if isinstance(v, Mapping) or v is None]
-    nested = nested if any(isinstance(rope[k], Mapping) for k in nested) else []
-    if nested:
-        if layer_type is None:
-            raise ValueError(f"rope parameters are nested by layer type ({nested}); pass "
-                             "layer_type")
-        if not isinstance(rope.get(layer_type), Mapping):
-            raise ValueError(f"rope parameters have no dict for layer type {layer_type!r} "
-                             f"(they have {nested})")
-        rope = rope[layer_type]
+    rope, nested = _rope_dict(d, layer_type)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     rope_type = dict(type_aliases or {}).get(rope_type, rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
