@@ -17,6 +17,7 @@ and the sampler's per-row reductions need nothing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import platform
 from pathlib import Path
@@ -56,33 +57,53 @@ def turn_ynn_fusions_off() -> None:
         envs.add_xla_flag(YNN_FUSIONS_OFF)
 
 
-def probe_min_step_tokens(run_all_positions, build, block_size: int) -> int:
+def probe_min_step_tokens(run, num_seqs: int = 4) -> int:
     """The fewest tokens of `CHEAPER_MIN_TOKENS` (else `BATCH_INVARIANT_MIN_TOKENS`) from which
-    the model's own compiled step gives each token bitwise the logits it gets in a step of
-    `BATCH_INVARIANT_MIN_TOKENS`: one sequence's first m tokens are run alone in a step padded
-    to m, for each candidate m, largest first, and compared with the first m rows of the whole
-    sequence's step (a causal model's first m rows see the same tokens). Every projection,
-    norm and fusion the engine runs is in it, at the shapes XLA really compiles.
+    the model's own compiled step gives a batch the same bits as a step of
+    `BATCH_INVARIANT_MIN_TOKENS`: for each candidate m, largest first, `num_seqs` prefills of
+    m / num_seqs tokens (their first m tokens in all) are run in a step of m tokens and again
+    in one of `BATCH_INVARIANT_MIN_TOKENS`, and each sequence's logits compared. Every
+    projection, norm, fusion and the LM head the engine runs are in it, at the shapes XLA
+    really compiles (a probe of the weights' shapes alone misses dots XLA fuses or slices).
 
     Args:
-      run_all_positions: `run(batch) -> f32[T, V]`, the model step with logits at every token.
-      build: `build(T, block_table, num_new_tokens) -> ModelInput`, one sequence's prefill of
-        its first `num_new_tokens` tokens packed in a step of T tokens.
-      block_size: tokens per KV block.
+      run: `run(T, lengths) -> f32[len(lengths), V]`: a step of T tokens holding fresh
+        sequences of `lengths` tokens (the same tokens for the same lengths), each
+        sequence's logits at its last token.
+      num_seqs: sequences in each step (each candidate is a multiple of it).
 
     Returns:
       The step-size floor, in tokens.
     """
-    full = BATCH_INVARIANT_MIN_TOKENS
-    table = list(range(-(-full // block_size)))
-    reference = np.asarray(run_all_positions(build(full, table, full)))
-    floor = full
+    floor = BATCH_INVARIANT_MIN_TOKENS
     for m in sorted(CHEAPER_MIN_TOKENS, reverse=True):
-        got = np.asarray(run_all_positions(build(m, table, m)))
-        if not np.array_equal(got[:m], reference[:m]):
+        lengths = [m // num_seqs] * num_seqs
+        lengths[-1] += m - sum(lengths)
+        if not np.array_equal(np.asarray(run(m, lengths)),
+                              np.asarray(run(BATCH_INVARIANT_MIN_TOKENS, lengths))):
             break
         floor = m
     return floor
+
+
+def _run_prefills(runner, T: int, lengths: list[int]) -> np.ndarray:
+    """`probe_min_step_tokens`'s `run` on `runner` (a `ModelRunner`): the sequences'
+    tokens (fixed pseudo-random ids) in a step padded to T tokens, each in blocks of its own
+    from block 0 on, written to the pool (free at start) and read by nothing after."""
+    from jaxpaged.models.base import ModelInput
+
+    S, vocab_size = runner.limits.block_size, runner.config.vocab_size
+    ids, positions = np.zeros((T,), np.int32), np.zeros((T,), np.int32)
+    seqs, start, first_block = [], 0, 0
+    for n in lengths:
+        ids[start:start + n] = (np.arange(start, start + n) * 7919 + 11) % vocab_size
+        positions[start:start + n] = np.arange(n)
+        num_blocks = -(-n // S)
+        seqs.append((list(range(first_block, first_block + num_blocks)), 0, n))
+        start, first_block = start + n, first_block + num_blocks
+    rope = np.full((T,), max(lengths), np.int32) if runner.config.rope_switch_length else None
+    batch = ModelInput(ids, positions, runner.backend.build(runner.limits, T, seqs), rope)
+    return np.asarray(runner._run_step(batch))[:len(lengths)]
 
 
 class CpuPlatform(Platform):
@@ -123,21 +144,12 @@ class CpuPlatform(Platform):
         """`probe_min_step_tokens` on `runner`'s model for the C++ kernel (whose attention is
         row by row); `BATCH_INVARIANT_MIN_TOKENS` for the xla backend (its attention batches
         a step's tokens in its dots)."""
-        if attention_backend != "cpu":
-            return BATCH_INVARIANT_MIN_TOKENS
-        from jaxpaged.models.base import ModelInput
-
-        def build(T, table, n):
-            ids = np.zeros((T,), np.int32)
-            ids[:n] = (np.arange(n) * 7919 + 11) % runner.config.vocab_size
-            positions = np.zeros((T,), np.int32)
-            positions[:n] = np.arange(n)
-            md = runner.backend.build(runner.limits, T, [(table, 0, n)])
-            rope = np.full((T,), n, np.int32) if runner.config.rope_switch_length else None
-            return ModelInput(ids, positions, md, rope)
-
-        return probe_min_step_tokens(lambda b: runner._run_step(b, all_positions=True),
-                                     build, runner.block_size)
+        limits = runner.limits
+        if (attention_backend != "cpu" or limits.num_blocks < BATCH_INVARIANT_MIN_TOKENS
+                or limits.max_blocks_per_seq * limits.block_size < BATCH_INVARIANT_MIN_TOKENS):
+            return BATCH_INVARIANT_MIN_TOKENS  # no room for the probe's sequences
+        return probe_min_step_tokens(functools.partial(_run_prefills, runner),
+                                     min(4, limits.max_seq_slots))
 
     def machine_id(self) -> str:
         """The host CPU's model and feature flags, hashed (XLA's CPU code is native to them)."""
