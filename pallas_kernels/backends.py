@@ -324,20 +324,20 @@ class CpuBackend(AttentionBackend):
 
 def make_attention_backend(name: str, dtype=jnp.float32, mesh: Mesh | None = None,
                            batch_invariant: bool = False) -> AttentionBackend:
-    """The backend for `name` ("auto": Pallas on GPU; on CPU "cpu" where the C++ kernel builds,
-    else "xla") and the pool's dtype (of its codes for an 8-bit pool); with `mesh`, sharded
-    over its `MODEL_AXIS`; with
-    `batch_invariant`, the C++ kernel in its batch-invariant order (the xla backend is
-    invariant as it is).
+    """The backend for `name` (a name of `ATTENTION_BACKENDS` other than "auto", which the
+    engine's platform resolves: `jaxpaged.platforms`) and the pool's dtype (of its codes for
+    an 8-bit pool); with `mesh`, sharded over its `MODEL_AXIS`; with `batch_invariant`, the
+    C++ kernel in its batch-invariant order (the xla backend is invariant as it is).
 
     Raises:
-      ValueError: an unknown name, or "cpu" where the C++ kernel cannot be built.
+      ValueError: an unknown name, "auto" (not resolved), or "cpu" where the C++ kernel
+        cannot be built.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend {name!r} is not one of {ATTENTION_BACKENDS}")
     if name == "auto":
-        name = ("pallas" if jax.default_backend() != "cpu"
-                else "cpu" if cpu_attention.available() else "xla")
+        raise ValueError("attention_backend 'auto' is resolved by the platform first: "
+                         "jaxpaged.platforms.current_platform().attention_backend('auto')")
     if name == "cpu":
         if not cpu_attention.available():
             raise ValueError("attention_backend 'cpu' needs the C++ kernel, which could not be "

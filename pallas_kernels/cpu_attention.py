@@ -5,9 +5,10 @@ one flat block list), where the pure-jnp `paged_attention_xla_packed` first gath
 token's pages into a new buffer; the new tokens' K/V come in as arguments, so all layers' are
 written in one scatter after the forward pass. It takes the packed step as every backend does
 (`query_start_loc`). It is compiled with the system C++
-compiler on first use (a few seconds), cached under `$JAXPAGED_HOME/kernels/` keyed by source,
-jaxlib version, CPU and compiler command, and registered with `jax.ffi`. Where no compiler is
-found, `available()` is False and the "auto" backend falls back to "xla".
+compiler on first use (a few seconds), cached in the folder `configure` names
+(`$JAXPAGED_HOME/kernels/`, set by `jaxpaged.platforms`) keyed by source, jaxlib version, CPU
+and compiler command, and registered with `jax.ffi`. Where no compiler is found, or before
+`configure`, `available()` is False and the "auto" backend falls back to "xla".
 
 It also takes Gemma 2's logit soft cap and Mistral's (and Gemma 2's local layers') sliding
 window, with the semantics of Hugging Face transformers; see `paged_attention_cpu`.
@@ -49,10 +50,18 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC
           "-pthread"]
 
 
-def _cache_dir() -> Path:
-    from jaxpaged.model_loader.model_store import jaxpaged_home  # not at top: model_store imports the model
+# Where the library is built, which compiler and whether the kernels may be used at all:
+# set by `configure` (kernels read no environment; `jaxpaged.platforms` passes it in).
+_settings: dict = {"build_dir": None, "compiler": None, "enabled": True}
 
-    return jaxpaged_home() / "kernels"
+
+def configure(build_dir: str | os.PathLike, compiler: str | None = None,
+              enabled: bool = True) -> None:
+    """Where `available()` builds and caches the kernels' library (`build_dir`), with which
+    C++ compiler (None: `c++`, else `g++` on the PATH), and whether it may (`enabled` False:
+    `available()` is False without building). Call before the first `available()`: its
+    answer is kept."""
+    _settings.update(build_dir=Path(build_dir), compiler=compiler, enabled=enabled)
 
 
 def _cpu_id() -> str:
@@ -71,13 +80,15 @@ def _build() -> Path:
     Raises:
       RuntimeError: no C++ compiler, or it failed (its output is in the message).
     """
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if _settings["build_dir"] is None:
+        raise RuntimeError("no build folder: cpu_attention.configure was not called")
+    compiler = _settings["compiler"] or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     sources = [path.read_bytes() for path in _SOURCES]
     key = hashlib.sha256(b"\0".join([*sources, jaxlib.__version__.encode(), _cpu_id().encode(),
                                      " ".join([compiler, *_FLAGS]).encode()])).hexdigest()[:16]
-    lib = _cache_dir() / f"cpu_kernels-{key}.so"
+    lib = _settings["build_dir"] / f"cpu_kernels-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
@@ -95,9 +106,10 @@ def _build() -> Path:
 def available() -> bool:
     """Whether the kernels are built and registered (builds them on the first call).
 
-    Set `JAXPAGED_CPU_KERNEL=0` to report False without building.
+    False without building where `configure(..., enabled=False)` said so
+    (`JAXPAGED_CPU_KERNEL=0`).
     """
-    if os.environ.get("JAXPAGED_CPU_KERNEL", "1") == "0":
+    if not _settings["enabled"]:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))

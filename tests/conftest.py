@@ -68,6 +68,22 @@ def head64_model_dir(tmp_path_factory, tiny_model_dir):
     return path
 
 
+@pytest.fixture(scope="session")
+def f160_model_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny Llama (16-feature heads) with an intermediate size of 160: shapes at which
+    XLA:CPU's compiled step is not row-invariant below 64 rows though each of its weights'
+    products alone is (tests/test_batch_invariance.py)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama-f160")
+    LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, "intermediate_size": 160})).save_pretrained(
+        path)
+    copy_tokenizer(tiny_model_dir, path)
+    return path
+
+
 _built = []
 
 

@@ -1,8 +1,9 @@
 """Batch invariance (`LLM(batch_invariant=True)`): 16 seeded requests, greedy and sampled at
 temperature 1.0 with 5 logprobs, give bitwise the same token ids and log-probabilities run
 alone, all together, chunked by a small token budget, from a warm prefix cache, and preempted
-by a small pool, on the tiny random Llama, with the C++ kernel (in its invariant order) and
-the xla attention backend."""
+by a small pool: on the default backend with 16-feature heads and an intermediate size of 160
+(the C++ kernel's generic path; XLA's fused dots), with the C++ kernel (in its invariant order)
+on 64-feature heads, with the xla attention backend, and (slow) on SmolLM2."""
 
 import numpy as np
 import pytest
@@ -24,33 +25,45 @@ def results(llm, rows=range(16)):
                  for entry in o.outputs[0].logprobs]) for i, o in zip(rows, outs)}
 
 
-@pytest.fixture(scope="module", params=["cpu", "xla"])
-def alone(request, tiny_model_dir, head64_model_dir):
-    """(backend, model, each request's results run alone): the C++ kernel on 64-feature heads,
-    the xla backend on the tiny model."""
+CONFIGS = {  # (attention backend, model fixture)
+    "default-f160": ("auto", "f160_model_dir"),
+    "cpu-h64": ("cpu", "head64_model_dir"),
+    "xla": ("xla", "tiny_model_dir"),
+    "default-smollm2": ("auto", "default_model_dir"),
+}
+
+
+@pytest.fixture(scope="module", params=[
+    "default-f160", "cpu-h64", "xla", pytest.param("default-smollm2", marks=pytest.mark.slow)])
+def alone(request):
+    """(backend, model, each request's results run alone)."""
     from jaxpaged import LLM
     from jaxpaged.pallas_kernels import cpu_attention
 
-    if request.param == "cpu" and not cpu_attention.available():
+    backend, fixture = CONFIGS[request.param]
+    if backend == "cpu" and not cpu_attention.available():
         pytest.skip("no C++ compiler")
-    model = head64_model_dir if request.param == "cpu" else tiny_model_dir
+    model = request.getfixturevalue(fixture)
     llm = LLM(model, batch_invariant=True, max_model_len=256, num_kv_blocks=256,
-              enable_prefix_caching=False, precompile=False, attention_backend=request.param)
+              enable_prefix_caching=False, precompile=False, attention_backend=backend)
     out = {}
     for i in range(16):
         out.update(results(llm, [i]))
-    return request.param, model, out
+    return backend, model, out
 
 
-@pytest.mark.parametrize("case", ["together", "chunked", "warm prefix cache", "preempted"])
+@pytest.mark.parametrize("case", ["together", "chunked", "chunked by 32", "warm prefix cache",
+                                  "preempted"])
 def test_bitwise_equal_to_alone(make_llm, alone, case):
     backend, model, alone = alone
     kw = dict(batch_invariant=True, enable_prefix_caching=case == "warm prefix cache",
               attention_backend=backend)
     if case == "chunked":
         kw.update(max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    if case == "chunked by 32":
+        kw.update(max_num_batched_tokens=32, long_prefill_token_threshold=16)
     if case == "preempted":
-        kw.update(num_kv_blocks=24)
+        kw.update(num_kv_blocks=20)
     llm = make_llm(model, **kw)
     if case == "warm prefix cache":
         results(llm)  # every prompt's full blocks cached
@@ -60,6 +73,25 @@ def test_bitwise_equal_to_alone(make_llm, alone, case):
     if case == "preempted":
         assert llm.stats()["num_preemptions"] > 0
     assert got == alone
+
+
+def test_probe_keeps_the_smallest_step_size_from_which_every_size_holds():
+    from jaxpaged.platforms.cpu import probe_min_step_tokens
+
+    calls = []
+
+    def run(T, lengths, differ_below):
+        calls.append((T, sum(lengths)))
+        return np.full((len(lengths), 3), 1.0 if T < differ_below else 0.0, np.float32)
+
+    assert probe_min_step_tokens(lambda T, n: run(T, n, 32)) == 32
+    # Each candidate's tokens are run in a step of their own size and in one of 64.
+    assert calls[:4] == [(48, 48), (64, 48), (32, 32), (64, 32)]
+    assert probe_min_step_tokens(lambda T, n: run(T, n, 0)) == 16
+    assert probe_min_step_tokens(lambda T, n: run(T, n, 64)) == 64
+    # 24 differs though 16 holds: 16 would let a step of 24 differ from one of 64.
+    odd = lambda T, n: np.full((len(n), 3), float(T == 24), np.float32)
+    assert probe_min_step_tokens(odd) == 32
 
 
 def test_batch_invariant_needs_a_cpu_backend(tiny_model_dir):

@@ -66,5 +66,5 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
     devices = jax.devices()
     if tp > len(devices):
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices; jax sees "
-                         f"{len(devices)} ({jax.default_backend()})")
+                         f"{len(devices)} ({devices[0].platform})")
     return Mesh(np.array(devices[:tp]).reshape(1, tp), (DATA_AXIS, MODEL_AXIS))

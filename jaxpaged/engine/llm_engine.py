@@ -11,7 +11,6 @@ import time
 import types
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -38,6 +37,7 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.distributed.parallel import make_mesh
 from jaxpaged.engine.request import Request
 from jaxpaged.pallas_kernels import make_attention_backend
+from jaxpaged.platforms import current_platform
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.spec_decode.proposers import (DraftModelProposer, NgramProposer, SpeculativeConfig,
                                   num_proposals)
@@ -45,16 +45,6 @@ from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.sequence import Scoring, Sequence
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_dtype(dtype: str) -> jnp.dtype:
-    """"auto" is float32 on CPU and bfloat16 on accelerators; else a jnp dtype name."""
-    if dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto', 'float32', "
-                         "'bfloat16' or 'float16'")
-    return jnp.dtype(dtype)
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
@@ -75,64 +65,6 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype | str:
     if kv_cache_dtype in KV_CODE_DTYPES:
         return kv_cache_dtype
     return jnp.dtype(kv_cache_dtype)
-
-
-# Batch invariance (`LLM(batch_invariant=True)`). What makes a request's numbers depend on its
-# batch on CPU, measured on 16 seeded requests (tests/test_batch_invariance.py): XLA:CPU's dot
-# computes a row of `x @ w` one way for a few rows and another way (the same for every row
-# count) from 64 rows on, so every step is padded to at least 64 tokens (the LM head's rows
-# are the step's sequence slots, a fixed count); and the C++ attention kernel's sums depend on
-# how a step splits the keys (its online-softmax tiles follow the cached blocks and then the
-# step's new tokens, and it scores a key by one of two loops depending on how many queries
-# share a tile): in its invariant order (`paged_attention_cpu(invariant=True)`) the tiles are
-# aligned on positions, cached and new keys gathered into one tile, and every score goes one
-# way; the xla backend writes each step's keys to the pool first and reads every key from there
-# in position order. Norms, RoPE and the sampler's per-row reductions need nothing.
-BATCH_INVARIANT_MIN_TOKENS = 64
-# Row counts at which a step may be padded more cheaply, checked on the model's own
-# projections when the engine starts (`batch_invariant_min_tokens`): with XLA's YNNPACK fusions
-# off (`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`, read when jax starts;
-# `jaxpaged ... --batch-invariant` sets it) XLA:CPU's dot computes a row the same way from 8
-# rows on, on SmolLM2's and Qwen2 0.5B's shapes.
-CHEAPER_MIN_TOKENS = (16, 24, 32, 48)
-YNN_FUSIONS_OFF = "--xla_cpu_experimental_ynn_fusion_type="
-
-
-def batch_invariant_min_tokens(config) -> int:
-    """The fewest tokens a batch-invariant step on the C++ attention kernel is padded to: 16
-    where XLA:CPU's dot gives each row of the model's projections (q/k/v, o, gate/up, down) the
-    same bits at every step size in `CHEAPER_MIN_TOKENS` as at 64 rows (random inputs; about a
-    second of small compiles), else `BATCH_INVARIANT_MIN_TOKENS`. (The rest of such a step
-    works row by row; the xla backend's attention batches its tokens' dots, and pads to 64.)"""
-    D, N, K, H = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                  config.head_dim)
-    F = config.intermediate_size
-    rng = np.random.default_rng(0)
-    dot = jax.jit(lambda x, w: x @ w)
-    for k, n in {(D, (N + 2 * K) * H), (N * H, D), (D, 2 * F), (F, D)}:
-        w = rng.standard_normal((k, n), np.float32)
-        x = rng.standard_normal((BATCH_INVARIANT_MIN_TOKENS, k), np.float32)
-        full = np.asarray(dot(x, w))
-        for m in CHEAPER_MIN_TOKENS:
-            if not np.array_equal(np.asarray(dot(x[:m], w)), full[:m]):
-                return BATCH_INVARIANT_MIN_TOKENS
-    return CHEAPER_MIN_TOKENS[0]
-
-
-def _batch_invariant_backend(attention_backend: str) -> str:
-    """The attention backend batch-invariant mode runs on: "cpu" (the C++ kernel in its
-    invariant order) or "xla"; "auto" is the one `make_attention_backend` would pick.
-
-    Raises:
-      ValueError: not on CPU, or a Pallas backend asked for.
-    """
-    if jax.default_backend() != "cpu":
-        raise ValueError(f"batch_invariant=True is implemented on CPU only, not on "
-                         f"{jax.default_backend()!r}")
-    if attention_backend not in ("auto", "cpu", "xla"):
-        raise ValueError(f"batch_invariant=True runs on the 'cpu' or 'xla' attention backend, "
-                         f"not {attention_backend!r}")
-    return attention_backend
 
 
 
@@ -180,7 +112,8 @@ class LLMEngine:
         # Tensor parallelism: the model and the pool split over a mesh (`jaxpaged.distributed.parallel`).
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         self.model_config = load_config(model_dir).for_tensor_parallel(tensor_parallel_size)
-        self.dtype = resolve_dtype(dtype)
+        platform = current_platform()
+        self.dtype = platform.resolve_dtype(dtype)
         if quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization {quantization!r} is not one of "
                              f"{QUANTIZATION_METHODS}")
@@ -188,8 +121,8 @@ class LLMEngine:
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         pool_dtype = (KV_CODE_DTYPES[self.kv_cache_dtype][0]
                       if self.kv_cache_dtype in KV_CODE_DTYPES else self.kv_cache_dtype)
-        if batch_invariant:
-            attention_backend = _batch_invariant_backend(attention_backend)
+        attention_backend = (platform.batch_invariant_backend(attention_backend)
+                             if batch_invariant else platform.attention_backend(attention_backend))
         self.batch_invariant = batch_invariant
         backend = make_attention_backend(attention_backend, pool_dtype, self.mesh,
                                          batch_invariant=batch_invariant)
@@ -226,12 +159,10 @@ class LLMEngine:
             self.runner = ModelRunner(model, cache_config, num_blocks, self.kv_cache_dtype,
                                       max_num_seqs=self.scheduler_config.max_num_seqs,
                                       max_model_len=self.scheduler_config.max_model_len,
-                                      compilation_cache_dir=cache_dir,
-                                      min_step_tokens=(
-                                          1 if not batch_invariant
-                                          else batch_invariant_min_tokens(self.model_config)
-                                          if backend.name == "cpu"
-                                          else BATCH_INVARIANT_MIN_TOKENS))
+                                      compilation_cache_dir=cache_dir)
+            if batch_invariant:
+                self.runner.min_step_tokens = platform.batch_invariant_min_step_tokens(
+                    self.runner, backend.name)
             shapes = self.runner.step_shapes(self.scheduler_config.max_num_batched_tokens)
             if isinstance(precompile, (list, tuple)):  # those step sizes alone, quietly
                 wanted = {self.runner.step_tokens(n) for n in precompile}
@@ -278,9 +209,8 @@ class LLMEngine:
         model = quantize_model(model, self.quantization, mesh=self.mesh)
         # Steps of a few tokens (verifications) on the few-row kernel; not in batch-invariant
         # mode, whose rows must be computed one way whatever the step's size.
-        if (self.mesh is None and self.dtype == jnp.float32 and jax.default_backend() == "cpu"
-                and not self.batch_invariant
-                and os.environ.get("JAXPAGED_FEW_ROW_KERNEL", "1") != "0"):
+        if current_platform().use_few_row_kernel(self.dtype, self.mesh is not None,
+                                                 self.batch_invariant):
             enable_few_row_kernel(model)
         del readers
         _release_freed_memory()

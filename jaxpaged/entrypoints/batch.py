@@ -84,6 +84,8 @@ def environment() -> dict:
     import jax
 
     import jaxpaged
+    from jaxpaged import envs
+    from jaxpaged.platforms import current_platform
 
     versions = {"jaxpaged": jaxpaged.__version__, "python": platform.python_version()}
     for name in ("jax", "jaxlib", "flax", "transformers"):
@@ -94,9 +96,9 @@ def environment() -> dict:
     devices = jax.devices()
     return {"versions": versions, "git_commit": _git_commit(),
             "platform": {"system": platform.system(), "machine": platform.machine(),
-                         "jax_backend": jax.default_backend()},
+                         "jax_backend": current_platform().jax_backend},
             "devices": {"kind": devices[0].device_kind, "count": len(devices)},
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "xla_flags": envs.xla_flags()}
 
 
 def _error_line(custom_id, status: int, error) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -153,14 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "batch_invariant", False) or (
-            args.command == "replay" and _recorded_batch_invariant(args.manifest)):
-        _turn_ynn_fusions_off()
-    if "JAX_PLATFORMS" not in os.environ and shutil.which("nvidia-smi") is None:
-        # No GPU: keep jax from probing an installed CUDA plugin (it prints a traceback). jax is
-        # imported already (by the `jaxpaged` package), but its backends start only on first use.
-        import jax
-        jax.config.update("jax_platforms", "cpu")
+    from jaxpaged.platforms import prepare_jax
+
+    # jax is imported already (by the `jaxpaged` package), but its backends start only on
+    # first use: XLA's flags and jax's platforms can still be set.
+    prepare_jax(batch_invariant=getattr(args, "batch_invariant", False) or (
+        args.command == "replay" and _recorded_batch_invariant(args.manifest)))
     try:
         if args.command == "prepare":
             from jaxpaged.model_loader.model_store import ensure_default_model
@@ -197,19 +194,6 @@ def _chat_template(value: str | None) -> str | None:
     if "{{" in value or "{%" in value:
         return value
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
-
-
-def _turn_ynn_fusions_off() -> None:
-    """XLA:CPU's dot is row-invariant from fewer rows without YNNPACK's fusions, so batch
-    invariance pads steps less (`llm_engine.batch_invariant_min_tokens`). XLA reads its flags
-    when jax's backend starts: set only before that (a caller that started it already, such as
-    a test calling `main`, keeps its flags)."""
-    from jax._src import xla_bridge
-
-    from jaxpaged.engine.llm_engine import YNN_FUSIONS_OFF
-
-    if not xla_bridge.backends_are_initialized():
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {YNN_FUSIONS_OFF}".strip()
 
 
 def _recorded_batch_invariant(manifest: str) -> bool:
@@ -370,7 +354,8 @@ def _one_shot_pool(args: argparse.Namespace, num_seqs: int) -> int | None:
     fill, within the 2 GiB default (a smaller pool starts faster: its memory is zeroed)."""
     if args.num_kv_blocks is not None or args.kv_cache_memory_bytes is not None:
         return None
-    from jaxpaged.engine.llm_engine import resolve_dtype, resolve_kv_cache_dtype
+    from jaxpaged.engine.llm_engine import resolve_kv_cache_dtype
+    from jaxpaged.platforms import resolve_dtype
     from jaxpaged.worker.model_runner import kv_cache_bytes_per_token
     from jaxpaged.model_loader.model_store import resolve_model
     from jaxpaged.models import load_config

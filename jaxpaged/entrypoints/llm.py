@@ -100,9 +100,10 @@ class LLM:
         its prompt is chunked, whether its prefix comes from the prefix cache, and whether it
         was preempted and recomputed (greedy and seeded sampling). CPU only, on the "cpu"
         (the C++ kernel in its invariant order) or "xla" attention backend: every step is
-        padded to at least 64 tokens (`llm_engine.BATCH_INVARIANT_MIN_TOKENS`), from which
-        XLA:CPU's matmuls compute each row the same way whatever the other rows, and attention
-        sums each query's keys in one order (see `jaxpaged.engine.llm_engine`).
+        padded to at least 64 tokens, or 16 to 48 where the model's own step is found to give
+        the same bits from there (checked at start), so that XLA:CPU's matmuls compute each
+        row the same way whatever the other rows, and attention sums each query's keys in one
+        order (see `jaxpaged.platforms.cpu`).
       quantization: None (weights in `dtype`) or "int8": weight-only int8, one scale per
         output channel, for every linear layer and the token embedding (a tied LM head
         included), made at load (`models.quantization`); on CPU the matmuls read the int8

@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from jaxpaged import envs
 from jaxpaged.models import SUPPORTED_ARCHITECTURES, load_config
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -87,7 +88,7 @@ EMBEDDED_MODELS = {
 
 def jaxpaged_home() -> Path:
     """`$JAXPAGED_HOME`, or `~/.cache/jaxpaged`."""
-    return Path(os.environ.get("JAXPAGED_HOME", "~/.cache/jaxpaged")).expanduser()
+    return envs.jaxpaged_home()
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:

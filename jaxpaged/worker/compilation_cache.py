@@ -36,18 +36,19 @@ import hashlib
 import logging
 import os
 import pickle
-import platform
 import tempfile
 import threading
 import weakref
 from pathlib import Path
 
 import jax
-import jaxlib
+
+from jaxpaged import envs
+from jaxpaged.platforms import current_platform
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "JAXPAGED_COMPILATION_CACHE_DIR"
+ENV_VAR = envs.COMPILATION_CACHE_DIR_VAR
 _OFF = ("", "0", "off", "false", "none")
 
 # One load at a time: XLA:CPU links every loaded executable's code into the process's JIT
@@ -74,17 +75,6 @@ def _count_jax_cache_hit(event: str, **kwargs) -> None:
 jax.monitoring.register_event_listener(_count_jax_cache_hit)
 
 
-def _machine_id() -> str:
-    """The host CPU's model and feature flags, hashed (XLA's CPU code is native to them)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        wanted = sorted({ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags")})
-        text = "\n".join(wanted)
-    except OSError:
-        text = platform.processor() or platform.machine()
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
 def resolve_cache_dir(option: str | os.PathLike | None = "auto") -> Path | None:
     """The cache folder for `LLM(compilation_cache_dir=option)`, or None when it is off.
 
@@ -96,16 +86,12 @@ def resolve_cache_dir(option: str | os.PathLike | None = "auto") -> Path | None:
       The folder for this jax/jaxlib version, backend and machine (created on first write).
     """
     if option == "auto":
-        option = os.environ.get(ENV_VAR)
+        option = envs.compilation_cache_dir()
         if option is None:
-            from jaxpaged.model_loader.model_store import jaxpaged_home  # not at top: it imports the models
-            option = jaxpaged_home() / "compile-cache"
+            option = envs.jaxpaged_home() / "compile-cache"
     if option is None or str(option).strip().lower() in _OFF:
         return None
-    backend = jax.default_backend()
-    machine = _machine_id() if backend == "cpu" else jax.devices()[0].device_kind.replace(" ", "_")
-    return (Path(option).expanduser()
-            / f"jax-{jax.__version__}-jaxlib-{jaxlib.__version__}-{backend}-{machine}")
+    return Path(option).expanduser() / current_platform().cache_folder_name()
 
 
 @functools.cache
@@ -159,12 +145,10 @@ class ExecutableCache:
         # in memory only (JAX's own cache still serves them).
         self.folder = (None if cache_dir is None or jax.process_count() > 1
                        else cache_dir / "executables")
-        all_devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
         self._base = hashlib.sha256("\0".join([
-            jax.__version__, jaxlib.__version__, jax.default_backend(), str(all_devices),
-            str(jax.process_count()), os.environ.get("XLA_FLAGS", ""), _machine_id(),
-            str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision),
-            _source_digest(), *program]).encode())
+            *current_platform().cache_key_parts(), str(jax.config.jax_enable_x64),
+            str(jax.config.jax_default_matmul_precision), _source_digest(),
+            *program]).encode())
         # The devices the executables run on, in their mesh's order (a loaded executable is
         # otherwise given every device of the backend, and fails on fewer).
         self.devices = list(devices) if devices else jax.devices()[:1]
