@@ -42,7 +42,7 @@ def collectives(engine) -> dict:
     """The compiled step's collectives of a 16-token step: op -> list of result shapes."""
     runner = engine.runner
     batch = runner._padding_batch(16)
-    text = runner._step.lower(runner.params, runner.kv_cache, batch, False).compile().as_text()
+    text = runner._step.lower(runner.params, runner.kv_cache.pool, batch, False).compile().as_text()
     found = {}
     for op in COLLECTIVES:
         found[op] = [m.group(1) for m in re.finditer(
@@ -112,7 +112,7 @@ for model, tp in args["runs"]:
             "weights": sorted({f"f32[{','.join(map(str, x.shape))}]"
                                for x in jax.tree.leaves(params) if x.ndim == 2}),
             "num_layers": engine.model_config.num_hidden_layers,
-            "kv_cache": str(engine.runner.kv_cache.sharding.spec),
+            "kv_cache": str(engine.runner.kv_cache.pool.sharding.spec),
             "qkv": str(params["layers"][0]["self_attn"]["qkv_proj"]["kernel"].sharding.spec)}
     if args.get("shards") == model:
         out["shards"] = shards(engine)

@@ -25,13 +25,13 @@ from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.errors import EngineDeadError, InvalidRequestError
 from jaxpaged.engine.faults import FaultIsolatingExecutor, describe
 from jaxpaged.engine.input_processor import InputProcessor
-from jaxpaged.worker.model_runner import ModelRunner, kv_cache_bytes_per_token, num_kv_blocks
+from jaxpaged.worker.kv_cache import code_dtype, num_kv_blocks, resolve_kv_cache_dtype
+from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.model_loader import gguf_import
 from jaxpaged.worker.buckets import next_power_of_2
 from jaxpaged.models import load_config, load_model, pooled_hidden_states
 from jaxpaged.models.layers import enable_few_row_kernel
 from jaxpaged.models.quantization import QUANTIZATION_METHODS, quantize_model, weight_bytes
-from jaxpaged.pallas_kernels.reference import KV_CODE_DTYPES
 from jaxpaged.models.loader import flat_params, params_from_hf_weights
 from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.outputs import Logprob, RequestMetrics, RequestOutput
@@ -57,26 +57,6 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
         raise ValueError(f"dtype {dtype!r} is not supported; use 'auto', 'float32', "
                          "'bfloat16' or 'float16'")
     return jnp.dtype(dtype)
-
-
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype | str:
-    """The pool's dtype: "auto" is the model's `dtype`; "int8" and "fp8" (float8_e4m3fn) are
-    8-bit pools with per-token scales (`pallas_kernels.reference.QuantizedKVCache`), returned
-    as those names.
-
-    Raises:
-      ValueError: a value not in `KV_CACHE_DTYPES`.
-    """
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
-    if kv_cache_dtype == "auto":
-        return jnp.dtype(dtype)
-    if kv_cache_dtype in KV_CODE_DTYPES:
-        return kv_cache_dtype
-    return jnp.dtype(kv_cache_dtype)
 
 
 # Tokenizer classes that are `tokenizers`' generic fast tokenizer under another name, and the
@@ -243,13 +223,11 @@ class LLMEngine:
                              f"{QUANTIZATION_METHODS}")
         self.quantization = quantization
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
-        pool_dtype = (KV_CODE_DTYPES[self.kv_cache_dtype][0]
-                      if self.kv_cache_dtype in KV_CODE_DTYPES else self.kv_cache_dtype)
         if batch_invariant:
             attention_backend = _batch_invariant_backend(attention_backend)
         self.batch_invariant = batch_invariant
-        backend = make_attention_backend(attention_backend, pool_dtype, self.mesh,
-                                         batch_invariant=batch_invariant)
+        backend = make_attention_backend(attention_backend, code_dtype(self.kv_cache_dtype),
+                                         self.mesh, batch_invariant=batch_invariant)
         self.attention_backend = backend.name
         if precompile is None:  # interpreted kernels take minutes a shape: compile as met
             precompile = not backend.name.endswith("-interpret")
@@ -376,7 +354,9 @@ class LLMEngine:
         num_blocks = self.block_manager.num_blocks
         cache_config = dataclasses.replace(self.cache_config, num_kv_blocks=num_blocks,
                                            enable_prefix_caching=False)
-        runner = ModelRunner(draft, cache_config, num_blocks, self.dtype,
+        # The draft's pool is float, of the model's dtype, whatever the target's is.
+        runner = ModelRunner(draft, cache_config, num_blocks,
+                             resolve_kv_cache_dtype("auto", self.dtype),
                              max_num_seqs=self.scheduler_config.max_num_seqs,
                              max_model_len=self.scheduler_config.max_model_len,
                              compilation_cache_dir=cache_dir)
@@ -891,8 +871,7 @@ class LLMEngine:
             "num_compilations": self.runner.num_compilations,
             "weight_bytes": (0 if self.runner.params is None
                              else weight_bytes(self.runner.params)),
-            "kv_cache_bytes_per_token": kv_cache_bytes_per_token(self.model_config,
-                                                                 self.kv_cache_dtype),
+            "kv_cache_bytes_per_token": self.runner.kv_cache.spec.bytes_per_token,
             **({} if self.proposer is None else {
                 "num_spec_drafts": scheduler.num_spec_drafts,
                 "num_spec_draft_tokens": scheduler.num_spec_draft_tokens,
