@@ -110,7 +110,7 @@ for model, tp, *kv_cache_dtype in args["runs"]:
     # Each pool array's (spec, shard shape): codes and scales of an 8-bit pool alike.
     out["pools"][key] = [[str(x.sharding.spec), list(x.addressable_shards[0].data.shape)]
                          for x in jax.tree.leaves(engine.runner.kv_cache.pool)]
-    if args.get("hlo") == model and tp > 1:
+    if args.get("hlo") == model and tp > 1 and not kv_cache_dtype:
         params = engine.runner.params
         out["hlo"] = {
             "tp": tp, "collectives": collectives(engine),
