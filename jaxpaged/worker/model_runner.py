@@ -28,7 +28,7 @@ from jaxpaged.worker.compilation_cache import ExecutableCache
 from jaxpaged.worker.buckets import bucket, buckets_upto, next_power_of_2, pow2s
 from jaxpaged.worker.kv_cache import KVCache, KVCacheSpec
 from jaxpaged.config import CacheConfig
-from jaxpaged.models import ModelConfig, ModelInput, forward
+from jaxpaged.models import ModelInput, forward
 from jaxpaged.models.loader import flat_params
 from jaxpaged.pallas_kernels import StepLimits, copy_blocks
 from jaxpaged.sample.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
@@ -248,7 +248,8 @@ class ModelRunner:
             self.config.vocab_size,
             pow2s(1, next_power_of_2(max(self.max_num_seqs, spec_tokens))),
             None if self.mesh is None else self.replicated) if sampler_variants else []
-        jobs = ([(self._step, (self.params, self.kv_cache.pool, b), (False,), {}) for _, b in batches]
+        jobs = ([(self._step, (self.params, self.kv_cache.pool, b), (False,), {})
+                 for _, b in batches]
                 + [(sample_jit, (logits, md), (), dict(all_greedy=g, num_logprobs=0))
                    for logits, md, g in draws])
         bar = tqdm(total=len(jobs), desc="Compiling (or finding in the cache)",
