@@ -180,8 +180,14 @@ def _fault_for_seed(seed: int):
     return hook
 
 
-def test_a_step_fault_fails_only_its_request(make_llm, tiny_model_dir):
-    llm = make_llm(tiny_model_dir, max_num_seqs=8)
+# Every kind of pool: float, and 8-bit (codes and scales), whose faults used to read as a lost
+# pool and kill the engine.
+POOL_DTYPES = ["auto", "int8", "fp8"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", POOL_DTYPES)
+def test_a_step_fault_fails_only_its_request(make_llm, tiny_model_dir, kv_cache_dtype):
+    llm = make_llm(tiny_model_dir, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
     good = [SamplingParams(temperature=0, max_tokens=12),
             SamplingParams(n=2, max_tokens=12, seed=5)]
     ref = llm.generate(PROMPTS[:2], good, use_tqdm=False)
@@ -197,6 +203,9 @@ def test_a_step_fault_fails_only_its_request(make_llm, tiny_model_dir):
     # The engine goes on serving, and the failed request left no block behind.
     assert llm.generate(PROMPTS[0], good[0], use_tqdm=False)[0].outputs[0].text == \
         ref[0].outputs[0].text
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_failed_requests"] == 1
 
 
 def test_a_fault_without_any_request_is_fatal(make_llm, tiny_model_dir):
@@ -261,12 +270,15 @@ def test_a_fault_after_the_kv_writes_and_block_copies_is_rerun_safely(make_llm, 
     assert outs[1].outputs[0].finish_reason == "error" and "after the model step" in outs[1].error
 
 
-def test_a_lost_kv_pool_is_fatal(make_llm, tiny_model_dir):
-    llm = make_llm(tiny_model_dir)
+@pytest.mark.parametrize("kv_cache_dtype", POOL_DTYPES)
+def test_a_lost_kv_pool_is_fatal(make_llm, tiny_model_dir, kv_cache_dtype):
+    import jax
+
+    llm = make_llm(tiny_model_dir, kv_cache_dtype=kv_cache_dtype)
     runner = llm.llm_engine.runner
 
-    def lose_the_pool(out):
-        runner.kv_cache.delete()
+    def lose_the_pool(out):  # as a fault in the step after the pool was donated
+        jax.tree.map(lambda x: x.delete(), runner.kv_cache.pool)
         raise RuntimeError("injected fault after the pool was donated")
 
     runner.fault_hook = lose_the_pool

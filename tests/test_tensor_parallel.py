@@ -81,6 +81,7 @@ def tp_results(tp_models, orbax_model, tmp_path_factory) -> dict:
     # On an empty compilation cache: the orbax run loads the executables the TP 4 run of the
     # same model wrote, each onto its mesh's 4 devices of the 8.
     runs = [[str(d), tp] for d in tp_models.values() for tp in (1, 2, 4, 8)]
+    runs += [[str(tp_models["llama-kv2"]), tp, kv] for kv in ("int8", "fp8") for tp in (1, 4)]
     updates = [[str(tp_models["llama-kv2"]), 4], [str(tp_models["qwen2-kv2"]), 2]]
     return run_worker({"runs": runs + [[str(orbax_model), 4]],
                        "hlo": str(tp_models["llama-kv2"]), "shards": str(orbax_model),
@@ -94,6 +95,19 @@ def test_greedy_ids_equal_one_device(tp_results, model, tp):
     ids = tp_results["ids"]
     assert ids[f"{model}/{tp}"] == ids[f"{model}/1"]
     assert all(len(x) == 8 for x in ids[f"{model}/1"])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_an_8bit_pool_is_sharded_by_kv_head(tp_results, kv_cache_dtype):
+    """An 8-bit pool's codes and scales both split on their KV-head axis (2 heads repeated to
+    4, one per device), and TP 4 gives the one-device engine's greedy ids."""
+    ids, pools = tp_results["ids"], tp_results["pools"]
+    assert ids[f"llama-kv2/4/{kv_cache_dtype}"] == ids[f"llama-kv2/1/{kv_cache_dtype}"]
+    L, P, S, H = 2, 64, 16, 8
+    assert pools[f"llama-kv2/4/{kv_cache_dtype}"] == [
+        ["P(None, None, 'model')", [L, 2, 1, P, S, H]],  # codes
+        ["P(None, None, 'model')", [L, 2, 1, P, S]]]  # scales
+    assert pools["llama-kv2/4"] == [["P(None, None, 'model')", [L, 2, 1, P, S, H]]]
 
 
 @pytest.mark.parametrize("run", ["llama-kv2/4", "qwen2-kv2/2"])

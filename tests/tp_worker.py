@@ -1,10 +1,11 @@
 """Run by tests/test_tensor_parallel.py in a fresh process (jax reads the device count once, at
 start): `python tp_worker.py JSON_ARGS`; prints one JSON line of results.
 
-JSON_ARGS: {"runs": [[model dir, tp], ...], "backend": name, "hlo": dir or null,
-"shards": dir or null, "distributed": [coordinator, num_processes, process_id] or null,
-"updates": [[model dir, tp], ...]}.
-Results: greedy ids by "<dir name>/<tp>"; for "hlo", the compiled step's collectives; for
+JSON_ARGS: {"runs": [[model dir, tp(, kv_cache_dtype)], ...], "backend": name,
+"hlo": dir or null, "shards": dir or null,
+"distributed": [coordinator, num_processes, process_id] or null, "updates": [[model dir, tp], ...]}.
+Results: greedy ids and the pool arrays' shardings ("pools") by "<dir name>/<tp>" (with
+"/<kv_cache_dtype>" when the run names one); for "hlo", the compiled step's collectives; for
 "shards", where each parameter's shards lie; for "updates", the ids after new weights went into
 a TP engine and a one-device engine (`updates`).
 """
@@ -29,9 +30,9 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-def llm(model, tp):
+def llm(model, tp, kv_cache_dtype="auto"):
     kw = dict(tensor_parallel_size=tp, max_model_len=256, num_kv_blocks=64, precompile=False,
-              attention_backend=args.get("backend", "auto"))
+              attention_backend=args.get("backend", "auto"), kv_cache_dtype=kv_cache_dtype)
     if args.get("distributed"):
         address, num, pid = args["distributed"]
         kw.update(coordinator_address=address, num_processes=num, process_id=pid)
@@ -42,7 +43,7 @@ def collectives(engine) -> dict:
     """The compiled step's collectives of a 16-token step: op -> list of result shapes."""
     runner = engine.runner
     batch = runner._padding_batch(16)
-    text = runner._step.lower(runner.params, runner.kv_cache, batch, False).compile().as_text()
+    text = runner._step.lower(runner.params, runner.kv_cache.pool, batch, False).compile().as_text()
     found = {}
     for op in COLLECTIVES:
         found[op] = [m.group(1) for m in re.finditer(
@@ -99,20 +100,24 @@ if args.get("forever"):  # generate until killed (the process-failure test)
     while True:
         engine_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
 
-out = {"ids": {}}
-for model, tp in args["runs"]:
-    engine_llm = llm(model, tp)
+out = {"ids": {}, "pools": {}}
+for model, tp, *kv_cache_dtype in args["runs"]:
+    engine_llm = llm(model, tp, *kv_cache_dtype)
     engine = engine_llm.llm_engine
     ids = [o.outputs[0].token_ids for o in engine_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-    out["ids"][f"{os.path.basename(model)}/{tp}"] = ids
-    if args.get("hlo") == model and tp > 1:
+    key = "/".join([os.path.basename(model), str(tp), *kv_cache_dtype])
+    out["ids"][key] = ids
+    # Each pool array's (spec, shard shape): codes and scales of an 8-bit pool alike.
+    out["pools"][key] = [[str(x.sharding.spec), list(x.addressable_shards[0].data.shape)]
+                         for x in jax.tree.leaves(engine.runner.kv_cache.pool)]
+    if args.get("hlo") == model and tp > 1 and not kv_cache_dtype:
         params = engine.runner.params
         out["hlo"] = {
             "tp": tp, "collectives": collectives(engine),
             "weights": sorted({f"f32[{','.join(map(str, x.shape))}]"
                                for x in jax.tree.leaves(params) if x.ndim == 2}),
             "num_layers": engine.model_config.num_hidden_layers,
-            "kv_cache": str(engine.runner.kv_cache.sharding.spec),
+            "kv_cache": str(engine.runner.kv_cache.pool.sharding.spec),
             "qkv": str(params["layers"][0]["self_attn"]["qkv_proj"]["kernel"].sharding.spec)}
     if args.get("shards") == model:
         out["shards"] = shards(engine)

@@ -104,12 +104,12 @@ class FaultIsolatingExecutor:
         """A fault inside the compiled step, after the pool was donated, takes the pool with
         it (on an accelerator it may show only when the pool is next read): every running
         sequence's K/V is gone, which is fatal."""
-        try:
-            lost = self.runner.kv_cache.is_deleted()
-            if not lost:
-                jax.block_until_ready(self.runner.kv_cache)
-        except Exception:
-            lost = True
+        lost = self.runner.kv_cache.is_deleted()  # `KVCache`: float and 8-bit pools alike
+        if not lost:
+            try:
+                self.runner.kv_cache.block_until_ready()
+            except Exception:  # the step's fault, shown only when the pool is read
+                lost = True
         if lost:
             raise EngineDeadError(f"the KV pool was lost with a fault in the step: "
                                   f"{describe(fault)}") from fault

@@ -11,7 +11,6 @@ import time
 import types
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -25,12 +24,12 @@ from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.processor import RequestProcessor
 from jaxpaged.engine.stats import engine_stats
 from jaxpaged.engine.weights import EngineWeights
-from jaxpaged.worker.model_runner import ModelRunner, num_kv_blocks
+from jaxpaged.worker.kv_cache import code_dtype, num_kv_blocks, resolve_kv_cache_dtype
+from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.model_loader import gguf_import
 from jaxpaged.models import load_config, load_model
 from jaxpaged.models.layers import enable_few_row_kernel
 from jaxpaged.models.quantization import QUANTIZATION_METHODS, quantize_model
-from jaxpaged.pallas_kernels.reference import KV_CODE_DTYPES
 from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.model_loader.tokenizer import eos_token_ids, load_tokenizer
 from jaxpaged.outputs import RequestOutput
@@ -45,26 +44,6 @@ from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.sequence import Scoring, Sequence
 
 logger = logging.getLogger(__name__)
-
-
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype | str:
-    """The pool's dtype: "auto" is the model's `dtype`; "int8" and "fp8" (float8_e4m3fn) are
-    8-bit pools with per-token scales (`pallas_kernels.reference.QuantizedKVCache`), returned
-    as those names.
-
-    Raises:
-      ValueError: a value not in `KV_CACHE_DTYPES`.
-    """
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
-    if kv_cache_dtype == "auto":
-        return jnp.dtype(dtype)
-    if kv_cache_dtype in KV_CODE_DTYPES:
-        return kv_cache_dtype
-    return jnp.dtype(kv_cache_dtype)
 
 
 
@@ -119,13 +98,11 @@ class LLMEngine:
                              f"{QUANTIZATION_METHODS}")
         self.quantization = quantization
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
-        pool_dtype = (KV_CODE_DTYPES[self.kv_cache_dtype][0]
-                      if self.kv_cache_dtype in KV_CODE_DTYPES else self.kv_cache_dtype)
         attention_backend = (platform.batch_invariant_backend(attention_backend)
                              if batch_invariant else platform.attention_backend(attention_backend))
         self.batch_invariant = batch_invariant
-        backend = make_attention_backend(attention_backend, pool_dtype, self.mesh,
-                                         batch_invariant=batch_invariant)
+        backend = make_attention_backend(attention_backend, code_dtype(self.kv_cache_dtype),
+                                         self.mesh, batch_invariant=batch_invariant)
         self.attention_backend = backend.name
         if precompile is None:  # interpreted kernels take minutes a shape: compile as met
             precompile = not backend.name.endswith("-interpret")
@@ -241,7 +218,9 @@ class LLMEngine:
         num_blocks = self.block_manager.num_blocks
         cache_config = dataclasses.replace(self.cache_config, num_kv_blocks=num_blocks,
                                            enable_prefix_caching=False)
-        runner = ModelRunner(draft, cache_config, num_blocks, self.dtype,
+        # The draft's pool is float, of the model's dtype, whatever the target's is.
+        runner = ModelRunner(draft, cache_config, num_blocks,
+                             resolve_kv_cache_dtype("auto", self.dtype),
                              max_num_seqs=self.scheduler_config.max_num_seqs,
                              max_model_len=self.scheduler_config.max_model_len,
                              compilation_cache_dir=cache_dir)

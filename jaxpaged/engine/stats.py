@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from jaxpaged.models.quantization import weight_bytes
-from jaxpaged.worker.model_runner import kv_cache_bytes_per_token
 
 
 def engine_stats(engine) -> dict[str, int]:
@@ -39,8 +38,7 @@ def engine_stats(engine) -> dict[str, int]:
         "num_failed_requests": engine.num_failed_requests,
         "num_compilations": runner.num_compilations,
         "weight_bytes": 0 if runner.params is None else weight_bytes(runner.params),
-        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(engine.model_config,
-                                                             engine.kv_cache_dtype),
+        "kv_cache_bytes_per_token": runner.kv_cache.spec.bytes_per_token,
     }
     if engine.proposer is not None:
         stats.update({

@@ -354,9 +354,8 @@ def _one_shot_pool(args: argparse.Namespace, num_seqs: int) -> int | None:
     fill, within the 2 GiB default (a smaller pool starts faster: its memory is zeroed)."""
     if args.num_kv_blocks is not None or args.kv_cache_memory_bytes is not None:
         return None
-    from jaxpaged.engine.llm_engine import resolve_kv_cache_dtype
     from jaxpaged.platforms import resolve_dtype
-    from jaxpaged.worker.model_runner import kv_cache_bytes_per_token
+    from jaxpaged.worker.kv_cache import kv_cache_bytes_per_token, resolve_kv_cache_dtype
     from jaxpaged.model_loader.model_store import resolve_model
     from jaxpaged.models import load_config
 

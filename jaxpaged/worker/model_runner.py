@@ -18,7 +18,6 @@ import logging
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -27,11 +26,11 @@ from tqdm.auto import tqdm
 from jaxpaged.sample import sampler
 from jaxpaged.worker.compilation_cache import ExecutableCache
 from jaxpaged.worker.buckets import bucket, buckets_upto, next_power_of_2, pow2s
+from jaxpaged.worker.kv_cache import KVCache, KVCacheSpec
 from jaxpaged.config import CacheConfig
-from jaxpaged.models import ModelConfig, ModelInput, forward
+from jaxpaged.models import ModelInput, forward
 from jaxpaged.models.loader import flat_params
-from jaxpaged.pallas_kernels import KV_CACHE_SPEC, StepLimits, copy_blocks
-from jaxpaged.pallas_kernels.reference import KV_CODE_DTYPES, QuantizedKVCache
+from jaxpaged.pallas_kernels import StepLimits, copy_blocks
 from jaxpaged.sample.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.sequence import Sequence, completion_seed
@@ -52,39 +51,6 @@ class SampledToken:
     top: list[tuple[int, float]] | None
 
 
-def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Pool layout `[L, 2, K, P, S, H]` (see `pallas_kernels.reference`)."""
-    return (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size,
-            config.head_dim)
-
-
-def kv_cache_bytes_per_token(config: ModelConfig, kv_dtype) -> int:
-    """Pool bytes one token takes over all layers, keys and values: `L * 2 * K * H` elements
-    of `kv_dtype` (a float dtype), or of one byte plus a float32 scale per head for an 8-bit
-    pool ("int8", "fp8")."""
-    L, _, K, _, _, H = kv_cache_shape(config, 1, 1)
-    if kv_dtype in KV_CODE_DTYPES:
-        return L * 2 * K * (H + 4)
-    return L * 2 * K * H * jnp.dtype(kv_dtype).itemsize
-
-
-def zeros_kv_cache(shape: tuple[int, ...], kv_dtype):
-    """An empty pool of `shape` `[L, 2, K, P, S, H]`: an array of `kv_dtype`, or for "int8" /
-    "fp8" a `QuantizedKVCache` (codes and scales)."""
-    if kv_dtype in KV_CODE_DTYPES:
-        return QuantizedKVCache(jnp.zeros(shape, KV_CODE_DTYPES[kv_dtype][0]),
-                                jnp.ones(shape[:-1], jnp.float32))
-    return jnp.zeros(shape, kv_dtype)
-
-
-def num_kv_blocks(config: ModelConfig, cache_config: CacheConfig, kv_dtype) -> int:
-    """Blocks in the pool: `num_kv_blocks`, or as many as `kv_cache_memory_bytes` holds."""
-    if cache_config.num_kv_blocks is not None:
-        return cache_config.num_kv_blocks
-    bytes_per_block = kv_cache_bytes_per_token(config, kv_dtype) * cache_config.block_size
-    return int(cache_config.kv_cache_memory_bytes // bytes_per_block)
-
-
 def _uses_few_row_kernel(model: nnx.Module) -> bool:
     """Whether the engine turned the few-row matmul kernel on in `model` (a program apart)."""
     return any(getattr(node, "few_row_kernel", False) for _, node in nnx.iter_graph(model))
@@ -92,9 +58,11 @@ def _uses_few_row_kernel(model: nnx.Module) -> bool:
 
 class ModelRunner:
     def __init__(self, model: nnx.Module, cache_config: CacheConfig, num_blocks: int,
-                 dtype, eos_token_ids: set[int] = frozenset(), max_num_seqs: int = 256,
-                 max_model_len: int | None = None, compilation_cache_dir=None,
-                 min_step_tokens: int = 1):
+                 kv_cache_dtype: str, eos_token_ids: set[int] = frozenset(),
+                 max_num_seqs: int = 256, max_model_len: int | None = None,
+                 compilation_cache_dir=None, min_step_tokens: int = 1):
+        """`kv_cache_dtype` is the pool's dtype name (`kv_cache.POOL_DTYPES`); the pool
+        (`self.kv_cache`, a `KVCache`) has `num_blocks` blocks of `cache_config.block_size`."""
         self.config = model.config
         # Steps of fewer tokens are padded up to this many (`step_tokens`; batch invariance).
         self.min_step_tokens = min_step_tokens
@@ -112,11 +80,10 @@ class ModelRunner:
         self._param_treedef = jax.tree.structure(self.params)
         self.param_specs = {path: (tuple(x.shape), x.dtype, x.sharding)
                             for path, x in flat_params(self.params).items()}
-        shape = kv_cache_shape(self.config, num_blocks, self.block_size)
         self.mesh = self.backend.mesh  # tensor parallelism's, or None: one device
+        self.kv_cache = KVCache(KVCacheSpec.for_model(self.config, kv_cache_dtype, num_blocks,
+                                                      self.block_size, self.mesh))
         if self.mesh is None:
-            self._zeros_pool = lambda: zeros_kv_cache(shape, dtype)
-            self.kv_cache = self._zeros_pool()
             self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
                                  static_argnums=3)
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
@@ -124,10 +91,8 @@ class ModelRunner:
             # Explicit shardings: params as the loader laid them out, the pool by KV head, the
             # step's metadata in and the logits out replicated (the sampler runs on every
             # device, so each process has the sampled tokens).
-            pool = NamedSharding(self.mesh, KV_CACHE_SPEC)
+            pool = self.kv_cache.spec.sharding
             self.replicated = NamedSharding(self.mesh, P())
-            self._zeros_pool = jax.jit(lambda: zeros_kv_cache(shape, dtype), out_shardings=pool)
-            self.kv_cache = self._zeros_pool()
             params = jax.tree.map(lambda x: x.sharding, self.params)
             self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
                                  static_argnums=3,
@@ -139,7 +104,7 @@ class ModelRunner:
         # there until it first runs.
         self._compiled: dict[tuple, jax.stages.Compiled | None] = {}
         self.executables = ExecutableCache(compilation_cache_dir, (
-            repr(self.config), dtype if isinstance(dtype, str) else jnp.dtype(dtype).name,
+            repr(self.config), self.kv_cache.spec.dtype,
             self.backend.name, repr(self.limits),
             repr(sorted((path, spec[:2]) for path, spec in self.param_specs.items())),
             f"invariant={getattr(self.backend, 'invariant', False)}",
@@ -190,18 +155,17 @@ class ModelRunner:
         self.params = jax.tree.unflatten(self._param_treedef, placed)
 
     def release(self, kv_cache: bool = True, params: bool = False) -> None:
-        """Lets go of the KV pool (its contents are lost) and, with `params`, of the engine's
-        references to the parameters (freed unless the caller holds them too)."""
-        if kv_cache and self.kv_cache is not None:
-            jax.tree.map(lambda x: x.delete(), self.kv_cache)
-            self.kv_cache = None
+        """Lets go of the KV pool (its contents are lost; `KVCache.release`) and, with
+        `params`, of the engine's references to the parameters (freed unless the caller holds
+        them too)."""
+        if kv_cache:
+            self.kv_cache.release()
         if params:
             self.params = None
 
     def restore_kv_cache(self) -> None:
-        """A new KV pool of zeros in place of one `release` let go of."""
-        if self.kv_cache is None:
-            self.kv_cache = self._zeros_pool()
+        """A new KV pool of zeros in place of one `release` let go of (`KVCache.restore`)."""
+        self.kv_cache.restore()
 
     @property
     def num_compilations(self) -> int:
@@ -224,7 +188,7 @@ class ModelRunner:
         compiled = self._compiled.get(key)
         if compiled is None:
             # XLA:CPU loads no executable while another one runs: wait for the last step.
-            jax.block_until_ready(self.kv_cache)
+            self.kv_cache.block_until_ready()
             compiled = self.executables.get_or_compile(jitted, args, static_args, static_kwargs)
             self._compiled[key] = compiled
         return compiled
@@ -240,8 +204,8 @@ class ModelRunner:
 
     def _run_step(self, batch: ModelInput, all_positions: bool = False) -> jax.Array:
         """Runs the model step on `batch` and keeps the updated pool; returns the logits."""
-        args = (self.params, self.kv_cache, batch)
-        logits, self.kv_cache = self._executable(self._step, args, all_positions)(*args)
+        args = (self.params, self.kv_cache.pool, batch)
+        logits, self.kv_cache.pool = self._executable(self._step, args, all_positions)(*args)
         return logits
 
     def _sample(self, logits: jax.Array, md: SamplingMetadata, all_greedy: bool,
@@ -284,7 +248,8 @@ class ModelRunner:
             self.config.vocab_size,
             pow2s(1, next_power_of_2(max(self.max_num_seqs, spec_tokens))),
             None if self.mesh is None else self.replicated) if sampler_variants else []
-        jobs = ([(self._step, (self.params, self.kv_cache, b), (False,), {}) for _, b in batches]
+        jobs = ([(self._step, (self.params, self.kv_cache.pool, b), (False,), {})
+                 for _, b in batches]
                 + [(sample_jit, (logits, md), (), dict(all_greedy=g, num_logprobs=0))
                    for logits, md, g in draws])
         bar = tqdm(total=len(jobs), desc="Compiling (or finding in the cache)",
@@ -299,9 +264,8 @@ class ModelRunner:
         bar.close()
         for T, batch in batches:
             if T <= WARM_UP_TOKENS:
-                args = (self.params, self.kv_cache, batch)
-                _, self.kv_cache = self._executable(self._step, args, False)(*args)
-        jax.block_until_ready(self.kv_cache)
+                self._run_step(batch)
+        self.kv_cache.block_until_ready()
         logger.info("compiled %d executables, found %d in the compilation cache%s (loaded "
                     "when first run; %d step shapes, %d sampler variants)",
                     cache.num_compiled - before[0], cache.num_on_disk - before[1],
@@ -468,7 +432,7 @@ class ModelRunner:
         """Copy-on-write block copies, padded to a power of two with repeats of the first."""
         pairs = copies + [copies[0]] * (next_power_of_2(len(copies)) - len(copies))
         src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
-        self.kv_cache = self._copy_blocks(self.kv_cache, src, dst)
+        self.kv_cache.pool = self._copy_blocks(self.kv_cache.pool, src, dst)
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int],
                 spec_token_ids: list[list[int]] | None = None) -> ModelInput:
