@@ -27,9 +27,6 @@ class RequestQueue:
     subclasses decide both, and the two preemption choices.
     """
 
-    # Whether requests may carry a `priority` other than 0 under this policy.
-    uses_priority = False
-
     def __init__(self):
         self._seqs: deque[Sequence] = deque()
 
@@ -106,8 +103,6 @@ class PriorityQueue(RequestQueue):
     head that finds no seat or no blocks preempts the running sequence of lowest priority
     (latest arrival among equals) while that one comes after it; a running sequence that needs
     a block preempts the lowest-priority one not yet in the step."""
-
-    uses_priority = True
 
     def add(self, seq: Sequence) -> None:
         """Inserts `seq` after every sequence that goes first (a lower key)."""

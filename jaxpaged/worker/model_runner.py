@@ -406,6 +406,7 @@ class ModelRunner:
                            for _, s, _, _ in samples),
             num_logprobs=num_logprobs))
         row_of = np.searchsorted(first_logit, [r for r, _, _, _ in samples], side="right") - 1
+        # Of a row verifying proposals, its draws up to the first that differs from them.
         output = rejection_sample(res.token_ids[:len(samples)], row_of,
                                   [len(before) for _, _, _, before in samples], spec)
         for i, ((_, seq, _, _), row) in enumerate(zip(samples, row_of)):
