@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpaged.core.request_queue import REQUEST_QUEUES
+
 # Prompt tokens a sequence computes at most in a step that also decodes. A step's time grows
 # with the tokens it computes, so this keeps a mixed step within a small multiple of a decode
 # step at the batch sizes served (README, "Latency under load", has the measurements).
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 128
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +49,9 @@ class SchedulerConfig:
     # decodes uses the whole `max_num_batched_tokens`.
     long_prefill_token_threshold: int | None = None  # None: the default above
     max_num_partial_prefills: int = 1
-    # "fcfs" (arrival order) or "priority" (a request's `priority`, lower first, then arrival;
-    # vLLM's semantics: a waiting request may preempt running ones of lower priority).
+    # A key of `request_queue.REQUEST_QUEUES`: "fcfs" (arrival order) or "priority" (a
+    # request's `priority`, lower first, then arrival; vLLM's semantics: a waiting request may
+    # preempt running ones of lower priority), or a policy registered there.
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
@@ -57,8 +59,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+        if self.scheduling_policy not in REQUEST_QUEUES:
+            raise ValueError(f"scheduling_policy must be one of {sorted(REQUEST_QUEUES)}, "
                              f"got {self.scheduling_policy!r}")
         if self.long_prefill_token_threshold is None:
             object.__setattr__(self, "long_prefill_token_threshold",

@@ -49,7 +49,7 @@ def test_waiting_requests_run_by_priority(tiny_model_dir, make_llm):
 
 
 def test_priority_needs_the_priority_policy(tiny_llm):
-    with pytest.raises(ValueError, match="priority 1 needs scheduling_policy='priority'"):
+    with pytest.raises(ValueError, match="priority 1 needs a scheduling policy that reads it"):
         tiny_llm.generate(["Hi"], SamplingParams(max_tokens=2), priority=[1], use_tqdm=False)
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
         SchedulerConfig(max_model_len=64, scheduling_policy="lifo")

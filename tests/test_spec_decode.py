@@ -1,4 +1,4 @@
-"""Speculative decoding (`jaxpaged.spec_decode.proposers`): n-gram and draft-model proposals verified in
+"""Speculative decoding (`jaxpaged.spec_decode`): n-gram and draft-model proposals verified in
 one packed step give the target's own outputs: greedy ids equal to decoding without
 speculation (across batches, chunked prefill, preemption and the prefix cache), seeded samples
 equal too in batch-invariant mode, and the sampled distribution is the target's on a small
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams
-from jaxpaged.spec_decode.proposers import SpeculativeConfig, ngram_proposal
+from jaxpaged.spec_decode import SpeculativeConfig, ngram_proposal
 
 from conftest import TINY_CONFIG, copy_tokenizer
 
@@ -29,6 +29,20 @@ def test_ngram_proposal_takes_the_latest_longest_match():
     assert ngram_proposal(tokens, 2, 3, 2) == [4, 5]
     assert ngram_proposal([1, 2, 3, 4], 3, 2, 1) == []  # nothing repeats
     assert ngram_proposal([1, 2, 1], 5, 1, 1) == [2, 1]  # fewer than k follow
+
+
+def test_rejection_sampler_outputs_draws_up_to_the_first_that_differs():
+    from jaxpaged.sample.rejection_sampler import rejection_sample
+
+    spec = [[5, 6, 7], [], [3], [4, 4]]
+    # row 0: 5 6 accepted, 9 replaces 7, the draw after 7 is not output; row 1: two
+    # completions' first draws (no proposals); row 2: all accepted plus the draw after them;
+    # row 3: the first draw differs.
+    rows = [0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 3]
+    positions = [0, 1, 2, 3, 0, 0, 0, 1, 0, 1, 2]
+    tokens = [5, 6, 9, 4, 1, 2, 3, 8, 1, 4, 4]
+    assert rejection_sample(tokens, rows, positions, spec).tolist() == [
+        True, True, True, False, True, True, True, True, True, False, False]
 
 
 @pytest.mark.parametrize("config, message", [
@@ -193,6 +207,38 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, vocab64_
     with pytest.raises(ValueError, match="vocab_size 64"):
         make_llm(tiny_model_dir, speculative_config={"model": str(vocab64_model_dir),
                                                      "num_speculative_tokens": 2})
+
+
+def test_draft_model_served_from_a_gguf_file(tmp_path, monkeypatch, make_llm):
+    """A draft model given as a GGUF file loads as a target from one does (its weights read
+    from the file) and gives the target's greedy ids. The target is the same model imported
+    from that file, so every proposal is accepted."""
+    pytest.importorskip("gguf")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from test_gguf_import import N_BPE, write_gguf
+
+    from jaxpaged.model_loader.gguf_import import import_gguf
+    from jaxpaged.model_loader.model_store import jaxpaged_home
+
+    # The GGUF's serving folder is made under $JAXPAGED_HOME; executables stay in the shared cache.
+    monkeypatch.setenv("JAXPAGED_COMPILATION_CACHE_DIR", str(jaxpaged_home() / "compile-cache"))
+    monkeypatch.setenv("JAXPAGED_HOME", str(tmp_path / "home"))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, "vocab_size": N_BPE,
+                                            "bos_token_id": 0, "eos_token_id": 2}))
+    write_gguf(tmp_path / "draft.gguf", "llama", model, tokenizer="gpt2")
+    import_gguf(tmp_path / "draft.gguf", tmp_path / "target", progress=False)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % N_BPE for j in range(5 + i)]}
+               for i in range(3)]
+    plain = make_llm(tmp_path / "target")
+    spec = make_llm(tmp_path / "target", speculative_config={
+        "model": str(tmp_path / "draft.gguf"), "num_speculative_tokens": 3})
+    assert _ids(spec.generate(prompts, params, use_tqdm=False)) \
+        == _ids(plain.generate(prompts, params, use_tqdm=False))
+    stats = spec.stats()
+    assert stats["num_spec_draft_tokens"] > 0 and stats["spec_acceptance_rate"] == 1.0, stats
 
 
 @pytest.fixture(scope="module")

@@ -20,28 +20,29 @@ with no decodes uses the whole budget, so an idle engine starts a prompt as fast
 prompt that wants prompt log-probabilities is computed in one piece, and is not capped.
 
 A decoding sequence with speculative proposals (`seq.spec_token_ids`, set by the engine's
-proposer before the step; `jaxpaged.spec_decode.proposers`) computes them after its last token, as far as
+proposer before the step; `jaxpaged.spec_decode`) computes them after its last token, as far as
 the budget and free blocks allow (proposals are dropped before anything is preempted for them);
 `update_from_output` appends the tokens the runner accepted and gives back the rest's slots.
 
-With `scheduling_policy="priority"` (vLLM's), the waiting queue is ordered by a request's
-`priority` (lower first), then arrival; a waiting sequence that finds no seat or no blocks
-preempts running ones of lower priority (latest arrival first among equals), and a running
-sequence that needs a block preempts the lowest-priority one.
-
-When a running sequence needs a block and none is free, the most recently admitted running
-sequence is preempted by recompute: its blocks are freed and it goes back to the front of the
-waiting queue, keeping its generated tokens. Nothing new is admitted in a step that preempts.
+The scheduling policy (`scheduling_policy`) is the waiting queue's class
+(`jaxpaged.core.request_queue`): it orders the waiting sequences and picks whom to preempt.
+Under "fcfs", when a running sequence needs a block and none is free, the most recently
+admitted running sequence is preempted by recompute: its blocks are freed and it goes back to
+the front of the waiting queue, keeping its generated tokens. Under "priority" (vLLM's), the
+queue is ordered by a request's `priority` (lower first), then arrival; a waiting sequence that
+finds no seat or no blocks preempts running ones of lower priority (latest arrival first among
+equals), and a running sequence that needs a block preempts the lowest-priority one. Nothing
+new is admitted in a step that preempts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from collections.abc import Callable, Collection
 from typing import Protocol
 
 from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.request_queue import make_request_queue
 from jaxpaged.config import SchedulerConfig
 from jaxpaged.core.sequence import Sequence, SequenceStatus, completion_seed
 
@@ -54,7 +55,7 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int]  # new tokens per row: a decode's 1, or a prompt chunk
     preempted: list[Sequence]  # sent back to waiting while building this step
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst)
-    # Per row, the speculative tokens it verifies after its last token (`jaxpaged.spec_decode.proposers`;
+    # Per row, the speculative tokens it verifies after its last token (`jaxpaged.spec_decode`;
     # counted in its `num_scheduled_tokens`), [] for most rows.
     spec_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
 
@@ -112,7 +113,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.padded_tokens = padded_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = make_request_queue(config.scheduling_policy)
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         # Speculative decoding's totals: rows that verified proposals, tokens proposed, accepted.
@@ -123,39 +124,15 @@ class Scheduler:
         self._padding_left = 0
 
     def add(self, seq: Sequence) -> None:
-        if self.config.scheduling_policy == "priority":
-            self._insert_by_priority(seq)
-        else:
-            self.waiting.append(seq)
+        self.waiting.add(seq)
 
-    @staticmethod
-    def _priority_key(seq: Sequence) -> tuple[int, int]:
-        return seq.priority, seq.arrival
-
-    def _insert_by_priority(self, seq: Sequence) -> None:
-        """Into `waiting` after every sequence that goes first (a lower key)."""
-        key = self._priority_key(seq)
-        i = next((i for i, s in enumerate(self.waiting) if self._priority_key(s) > key),
-                 len(self.waiting))
-        self.waiting.insert(i, seq)
-
-    def _victim(self, out: SchedulerOutput) -> Sequence:
-        """The running sequence to preempt for blocks: the most recently admitted, or under
-        the priority policy the lowest priority (latest arrival among equals) of those not
-        yet in this step's batch (the sequence asking is one of them)."""
-        if self.config.scheduling_policy == "priority":
-            scheduled = {id(s) for s in out.seqs}
-            return max((s for s in self.running if id(s) not in scheduled),
-                       key=self._priority_key)
-        return self.running[-1]
-
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """Priority policy: while the first waiting sequence finds no seat or not enough free
-        blocks for its prompt and a running sequence has a lower priority, preempts that one
-        (it is admitted in a later step: nothing new joins a step that preempts)."""
+    def _preempt_for_admission(self, out: SchedulerOutput) -> None:
+        """While the first waiting sequence finds no seat or not enough free blocks for its
+        prompt and the policy lets it preempt a running one (`admission_victim`), preempts
+        that one (it is admitted in a later step: nothing new joins a step that preempts)."""
         while self.waiting and self.running:
-            head, victim = self.waiting[0], max(self.running, key=self._priority_key)
-            if self._priority_key(victim) <= self._priority_key(head):
+            head, victim = self.waiting.peek(), self.waiting.admission_victim(self.running)
+            if victim is None:
                 return
             seats = sum(1 + s.num_forks for s in self.running)
             if (seats + 1 + head.num_forks <= self.config.max_num_seqs
@@ -180,8 +157,7 @@ class Scheduler:
                          self.config.max_num_batched_tokens)
             self._padding_left = min(self.padded_tokens(capped),
                                      self.config.max_num_batched_tokens) - capped
-        if self.config.scheduling_policy == "priority":
-            self._preempt_for_priority(out)
+        self._preempt_for_admission(out)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -223,7 +199,7 @@ class Scheduler:
             q = 1 if decoding else self._prefill_tokens(seq, remaining, budget)
             if q == 0:  # a prompt chunk held back by the prefill cap
                 continue
-            # Proposals (`jaxpaged.spec_decode.proposers`) ride along as far as the budget and the free
+            # Proposals (`jaxpaged.spec_decode`) ride along as far as the budget and the free
             # blocks allow once the later decodes have theirs; cut to fit, never a preemption.
             spec = seq.spec_token_ids[:max(0, budget - 1 - decodes_left)] if decoding else []
             seq.spec_token_ids = []
@@ -231,7 +207,7 @@ class Scheduler:
                 spec = spec[:-1]
             q += len(spec)
             while not self.block_manager.can_append(seq, q):
-                victim = self._victim(out)
+                victim = self.waiting.block_victim(self.running, out.seqs)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -266,8 +242,8 @@ class Scheduler:
         # A parent holds seats for the children it forks once its prompt is computed.
         num_seats = sum(1 + s.num_forks for s in self.running)
         while (self.waiting and budget > 0 and self._prefills_left != 0
-               and num_seats + 1 + self.waiting[0].num_forks <= self.config.max_num_seqs):
-            seq = self.waiting[0]
+               and num_seats + 1 + self.waiting.peek().num_forks <= self.config.max_num_seqs):
+            seq = self.waiting.peek()
             # Prompt log-probabilities are computed in one piece, never chunked (and never from
             # the prefix cache); a sequence preempted after its first token has them already,
             # and is chunked as any other (its prompt and output together may exceed any step's
@@ -280,7 +256,7 @@ class Scheduler:
                 break
             remaining = seq.num_tokens - seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
-            self.running.append(self.waiting.popleft())
+            self.running.append(self.waiting.pop())
             num_seats += 1 + seq.num_forks
             q = self._prefill_tokens(seq, remaining, budget)
             out.seqs.append(seq)
@@ -383,10 +359,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
-        if self.config.scheduling_policy == "priority":
-            self._insert_by_priority(seq)
-        else:
-            self.waiting.appendleft(seq)
+        self.waiting.add_preempted(seq)
         self.num_preemptions += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

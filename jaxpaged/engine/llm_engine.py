@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import os
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -26,11 +24,10 @@ from jaxpaged.engine.stats import engine_stats
 from jaxpaged.engine.weights import EngineWeights
 from jaxpaged.worker.kv_cache import code_dtype, num_kv_blocks, resolve_kv_cache_dtype
 from jaxpaged.worker.model_runner import ModelRunner
-from jaxpaged.model_loader import gguf_import
-from jaxpaged.models import load_config, load_model
+from jaxpaged.model_loader.loader import load_model_from_dir
+from jaxpaged.models import load_config
 from jaxpaged.models.layers import enable_few_row_kernel
 from jaxpaged.models.quantization import QUANTIZATION_METHODS, quantize_model
-from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.model_loader.tokenizer import eos_token_ids, load_tokenizer
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.distributed.parallel import make_mesh
@@ -38,8 +35,8 @@ from jaxpaged.engine.request import Request
 from jaxpaged.pallas_kernels import make_attention_backend
 from jaxpaged.platforms import current_platform
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.spec_decode.proposers import (DraftModelProposer, NgramProposer, SpeculativeConfig,
-                                  num_proposals)
+from jaxpaged.spec_decode import (ProposerContext, SpeculativeConfig, make_proposer,
+                                  set_proposals)
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.sequence import Scoring, Sequence
 
@@ -176,56 +173,26 @@ class LLMEngine:
     def _load_model(self, model_dir: Path, backend) -> nnx.Module:
         """The model with its weights (read from the GGUF file itself for a folder that serves
         one, `gguf_import.write_gguf_metadata`), quantized as `quantization` says."""
-        source = gguf_import.gguf_source(model_dir)
-        readers = None
-        if source is not None:
-            hf_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-            readers = gguf_import.open_gguf_weights(source, types.SimpleNamespace(**hf_config))
-        model = load_model(model_dir, self.model_config, self.dtype, backend, self.mesh,
-                           readers)
+        model = load_model_from_dir(model_dir, self.model_config, self.dtype, backend, self.mesh)
         model = quantize_model(model, self.quantization, mesh=self.mesh)
         # Steps of a few tokens (verifications) on the few-row kernel; not in batch-invariant
         # mode, whose rows must be computed one way whatever the step's size.
         if current_platform().use_few_row_kernel(self.dtype, self.mesh is not None,
                                                  self.batch_invariant):
             enable_few_row_kernel(model)
-        del readers
         _release_freed_memory()
         return model
 
     def _make_proposer(self, config: SpeculativeConfig, backend, cache_dir):
-        """The proposer of `config` (`jaxpaged.spec_decode.proposers`); a draft model gets its own
-        runner and KV pool of as many blocks as the target's.
+        """The proposer of `config` (`jaxpaged.spec_decode.make_proposer`).
 
         Raises:
           ValueError: a combination speculative decoding does not support (named), or a draft
             model whose vocabulary differs from the target's.
         """
-        if self.model_config.rope_switch_length:
-            raise ValueError("speculative_config: not supported for a model whose RoPE switches "
-                             "with the sequence length (longrope)")
-        if self.mesh is not None:
-            raise ValueError("speculative_config: not supported with tensor_parallel_size > 1")
-        if config.method == "ngram":
-            return NgramProposer(config)
-        draft_dir = resolve_model(config.model)
-        draft_config = load_config(draft_dir)
-        if draft_config.vocab_size != self.model_config.vocab_size:
-            raise ValueError(f"speculative_config: the draft model {config.model!r} has "
-                             f"vocab_size {draft_config.vocab_size}, the target "
-                             f"{self.model_config.vocab_size}; it must share the tokenizer")
-        draft = load_model(draft_dir, draft_config, self.dtype, backend)
-        num_blocks = self.block_manager.num_blocks
-        cache_config = dataclasses.replace(self.cache_config, num_kv_blocks=num_blocks,
-                                           enable_prefix_caching=False)
-        # The draft's pool is float, of the model's dtype, whatever the target's is.
-        runner = ModelRunner(draft, cache_config, num_blocks,
-                             resolve_kv_cache_dtype("auto", self.dtype),
-                             max_num_seqs=self.scheduler_config.max_num_seqs,
-                             max_model_len=self.scheduler_config.max_model_len,
-                             compilation_cache_dir=cache_dir)
-        return DraftModelProposer(config, runner, BlockManager(num_blocks, cache_config.block_size),
-                                  self.scheduler_config.max_num_batched_tokens)
+        return make_proposer(config, ProposerContext(
+            self.model_config, self.dtype, backend, self.cache_config,
+            self.block_manager.num_blocks, self.scheduler_config, cache_dir, self.mesh))
 
     def _max_spec_step_tokens(self) -> int:
         """The most tokens a step verifying proposals takes (0 without speculation): every
@@ -239,24 +206,10 @@ class LLMEngine:
                    seqs * (c.num_speculative_tokens + 1))
 
     def _propose(self) -> None:
-        """Sets the proposals of each decoding sequence for the next step: none while a
-        request waits or a prompt is being computed (speculation steps aside under load, and
-        steps that verify proposals only decode), or when more sequences decode than
-        `disable_by_batch_size`."""
-        running = self.scheduler.running
-        self.proposer.release(running)  # sequences preempted or aborted since the last step
-        for seq in running:
-            seq.spec_token_ids = []
-        decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1
-                    and s.num_output_tokens > 0]
-        limit = self.speculative_config.disable_by_batch_size
-        if (not decoding or len(decoding) < len(running) or self.scheduler.waiting
-                or (limit is not None and len(decoding) > limit)):
-            return
-        k = self.speculative_config.num_speculative_tokens
-        ks = [num_proposals(seq, k, self.scheduler_config.max_model_len) for seq in decoding]
-        for seq, proposal in zip(decoding, self.proposer.propose(decoding, ks)):
-            seq.spec_token_ids = proposal
+        """Sets the proposals of each decoding sequence for the next step
+        (`jaxpaged.spec_decode.set_proposals`)."""
+        set_proposals(self.proposer, self.speculative_config, self.scheduler.running,
+                      len(self.scheduler.waiting), self.scheduler_config.max_model_len)
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from jaxpaged.core.sequence import Sequence
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.request import Request, new_stop_state
+from jaxpaged.core.request_queue import REQUEST_QUEUES
 from jaxpaged.errors import InvalidRequestError
 from jaxpaged.outputs import RequestMetrics
 from jaxpaged.reasoning import get_reasoning_parser
@@ -88,9 +89,10 @@ class RequestProcessor:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError("priority", f"priority must be an int, got {priority!r}")
         policy = self.scheduler_config.scheduling_policy
-        if priority != 0 and policy != "priority":
-            raise InvalidRequestError("priority", f"priority {priority} needs "
-                                      f"scheduling_policy='priority' (this engine is {policy!r})")
+        if priority != 0 and not REQUEST_QUEUES[policy].reads_priority:
+            raise InvalidRequestError("priority", f"priority {priority} needs a scheduling policy "
+                                      f"that reads it, such as 'priority' (this engine is "
+                                      f"{policy!r})")
 
     def make_request(self, prompt: str | dict, params: SamplingParams, request_id: str | None,
                      priority: int, requests_in_use) -> Request:

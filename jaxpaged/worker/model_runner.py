@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxpaged.sample import sampler
+from jaxpaged.sample.rejection_sampler import rejection_sample
 from jaxpaged.worker.compilation_cache import ExecutableCache
 from jaxpaged.worker.buckets import bucket, buckets_upto, next_power_of_2, pow2s
 from jaxpaged.worker.kv_cache import KVCache, KVCacheSpec
@@ -208,6 +209,17 @@ class ModelRunner:
         logits, self.kv_cache.pool = self._executable(self._step, args, all_positions)(*args)
         return logits
 
+    def compute_logits(self, seqs: list[Sequence], num_new_tokens: list[int]) -> jax.Array:
+        """Computes the next `num_new_tokens[i]` tokens of each of `seqs` (after their
+        `num_computed_tokens`, in blocks the caller appended) and writes their K/V to the pool;
+        samples nothing. For a proposer's own model (`spec_decode.draft_model`).
+
+        Returns:
+          f32[R, V] on the device: the logits of each sequence's last new token, in the order
+          of `seqs` (R >= len(seqs): padding rows after them).
+        """
+        return self._run_step(self.prepare(seqs, num_new_tokens))
+
     def _sample(self, logits: jax.Array, md: SamplingMetadata, all_greedy: bool,
                 num_logprobs: int) -> sampler.SamplerOutput:
         """`sampler.sample` on logits f32[R, V] (asynchronous: arrays still on the device)."""
@@ -358,9 +370,11 @@ class ModelRunner:
                            for _, s, _, _ in samples),
             num_logprobs=num_logprobs))
         row_of = np.searchsorted(first_logit, [r for r, _, _, _ in samples], side="right") - 1
-        rejected = set()  # rows whose proposals stopped being accepted
-        for i, ((_, seq, _, before), row) in enumerate(zip(samples, row_of)):
-            if row in rejected:
+        # Of a row verifying proposals, its draws up to the first that differs from them.
+        output = rejection_sample(res.token_ids[:len(samples)], row_of,
+                                  [len(before) for _, _, _, before in samples], spec)
+        for i, ((_, seq, _, _), row) in enumerate(zip(samples, row_of)):
+            if not output[i]:
                 continue
             k = seq.params.logprobs
             top = (None if k is None else [] if k == 0 else
@@ -368,9 +382,6 @@ class ModelRunner:
             token = SampledToken(int(res.token_ids[i]), float(res.logprobs[i]),
                                  int(res.ranks[i]), top)
             per_row[row].append(token)
-            # A draw that differs from the row's next proposal replaces it and ends the row.
-            if len(before) < len(spec[row]) and token.token_id != spec[row][len(before)]:
-                rejected.add(row)
         return per_row, prompt_lps
 
     @staticmethod

@@ -1,0 +1,43 @@
+"""Which decoding sequences get proposals before a step, and how many."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceList
+
+from jaxpaged.core.sequence import Sequence
+from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.spec_decode.registry import Proposer
+
+
+def num_proposals(seq: Sequence, k: int, max_model_len: int) -> int:
+    """How many proposals `seq` may take: at most k, and leaving room for the token the target
+    draws after them within `max_tokens` and `max_model_len`; 0 for a sequence whose outputs
+    the proposals would change how they are computed (a grammar, penalties, min_tokens not
+    reached, a scoring sequence)."""
+    p = seq.params
+    if (seq.matcher is not None or seq.scoring is not None
+            or seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1
+            or p.frequency_penalty or p.presence_penalty):
+        return 0
+    room = min(p.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
+    return max(0, min(k, room))
+
+
+def set_proposals(proposer: Proposer, config: SpeculativeConfig, running: SequenceList[Sequence],
+                  num_waiting: int, max_model_len: int) -> None:
+    """Sets `spec_token_ids` of each running sequence for the next step: none while a request
+    waits (`num_waiting`) or a prompt is being computed (speculation steps aside under load,
+    and steps that verify proposals only decode), or when more sequences decode than
+    `config.disable_by_batch_size`; else what `proposer` proposes, up to `num_proposals`."""
+    proposer.release(running)  # sequences preempted or aborted since the last step
+    for seq in running:
+        seq.spec_token_ids = []
+    decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1
+                and s.num_output_tokens > 0]
+    limit = config.disable_by_batch_size
+    if (not decoding or len(decoding) < len(running) or num_waiting
+            or (limit is not None and len(decoding) > limit)):
+        return
+    ks = [num_proposals(seq, config.num_speculative_tokens, max_model_len) for seq in decoding]
+    for seq, proposal in zip(decoding, proposer.propose(decoding, ks)):
+        seq.spec_token_ids = proposal
