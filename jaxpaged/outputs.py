@@ -56,7 +56,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0  # tokens generated so far (the longest completion's)
-    # Speculative decoding (`jaxpaged.spec_decode.proposers`), over the request's completions: steps
+    # Speculative decoding (`jaxpaged.spec_decode`), over the request's completions: steps
     # that verified proposals, tokens proposed, and tokens of those accepted.
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

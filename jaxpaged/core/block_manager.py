@@ -213,7 +213,7 @@ class BlockManager:
 
     def trim(self, seq: Sequence) -> None:
         """Gives back the blocks past those that hold `seq.num_tokens` tokens (slots of rejected
-        speculative tokens, `jaxpaged.spec_decode.proposers`); the next step appends to the rest."""
+        speculative tokens, `jaxpaged.spec_decode`); the next step appends to the rest."""
         keep = self.num_blocks_needed(seq.num_tokens)
         for block_id in reversed(seq.block_table[keep:]):
             self._release(block_id)

@@ -74,7 +74,7 @@ class Sequence:
         self.matcher = None
         # `LLM.completion_logprobs`: the tokens from this index on are scored, not generated.
         self.scoring: Scoring | None = None
-        # Speculative decoding (`jaxpaged.spec_decode.proposers`): the proposals of the step being built,
+        # Speculative decoding (`jaxpaged.spec_decode`): the proposals of the step being built,
         # and the running counts of proposing steps, tokens proposed and tokens accepted.
         self.spec_token_ids: list[int] = []
         # Priority scheduling: the request's priority (lower first) and arrival order.

@@ -120,7 +120,7 @@ class LLM:
         or another folder holding one. `get_default_sampling_params()` returns them; they
         apply where no sampling params are given, and the server's requests override them
         field by field.
-      speculative_config: speculative decoding (`jaxpaged.spec_decode.proposers`), vLLM's keys as a
+      speculative_config: speculative decoding (`jaxpaged.spec_decode`), vLLM's keys as a
         dict (or its JSON text): `{"method": "ngram", "num_speculative_tokens": k,
         "prompt_lookup_max": n, "prompt_lookup_min": m}` or `{"model": PATH,
         "num_speculative_tokens": k}` (a draft model with the target's vocabulary), and

@@ -14,6 +14,7 @@ from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.models import load_config
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.registry import ProposerContext
+from jaxpaged.worker.kv_cache import resolve_kv_cache_dtype
 from jaxpaged.worker.model_runner import ModelRunner
 
 
@@ -39,7 +40,9 @@ def build_draft_model_proposer(config: SpeculativeConfig, context: ProposerConte
     cache_config = dataclasses.replace(context.cache_config, num_kv_blocks=context.num_blocks,
                                        enable_prefix_caching=False)
     sched = context.scheduler_config
-    runner = ModelRunner(draft, cache_config, context.num_blocks, context.dtype,
+    # The draft's pool is float, of the model's dtype, whatever the target's pool is.
+    runner = ModelRunner(draft, cache_config, context.num_blocks,
+                         resolve_kv_cache_dtype("auto", context.dtype),
                          max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len,
                          compilation_cache_dir=context.compilation_cache_dir)
     return DraftModelProposer(config, runner,
