@@ -117,3 +117,21 @@ def test_no_dense_arrays_for_samples_without_bias_or_penalties():
     batch.sync(seqs, S)
     md = batch.sampling_metadata([(i, s, 0, []) for i, s in enumerate(seqs)])
     assert md.logit_bias is None and md.output_counts is None and md.prompt_mask is None
+
+
+def test_the_scheduler_hands_out_the_sequences_that_left_since_the_last_step():
+    from jaxpaged.config import SchedulerConfig
+    from jaxpaged.core.block_manager import BlockManager
+    from jaxpaged.core.scheduler import Scheduler
+
+    sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=4,
+                                      max_num_batched_tokens=64), BlockManager(16, S))
+    a, b = make_seq(0), make_seq(1)
+    a.block_table = b.block_table = []
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule().finished_seq_ids == []
+    sched.finish(a, "abort")
+    out = sched.schedule()
+    assert out.finished_seq_ids == [a.seq_id] and out.seqs == [b]
+    assert sched.schedule().finished_seq_ids == []  # handed out once

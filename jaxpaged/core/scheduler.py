@@ -57,7 +57,8 @@ class SchedulerOutput:
     # Per row, the speculative tokens it verifies after its last token (`jaxpaged.spec_decode.proposers`;
     # counted in its `num_scheduled_tokens`), [] for most rows.
     spec_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
-    # Sequences finished since the last step (their rows leave the runner's input batch).
+    # Sequences finished since the last step that ran, and those preempted in steps that ran
+    # nothing (their rows leave the runner's input batch; `preempted` holds this step's).
     finished_seq_ids: list[int] = dataclasses.field(default_factory=list)
 
     def completes(self, row: int) -> bool:
@@ -189,6 +190,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if not out.seqs:  # the runner never sees this step: the next one carries its leavers
+            self._finished_seq_ids = out.finished_seq_ids + [s.seq_id for s in out.preempted]
         return out if out.seqs or out.preempted else None
 
     def _prefill_tokens(self, seq: Sequence, remaining: int, budget: int) -> int:
