@@ -99,7 +99,6 @@ class ModelRunner:
         # Steps of fewer tokens are padded up to this many (`step_tokens`; batch invariance).
         self.min_step_tokens = min_step_tokens
         self.backend = model.backend  # `pallas_kernels.backends.AttentionBackend`
-        self.eos_token_ids = eos_token_ids
         self.block_size = cache_config.block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or self.config.max_position_embeddings
@@ -153,6 +152,15 @@ class ModelRunner:
             max(max_num_seqs, self.limits.max_seq_slots), self.limits.max_blocks_per_seq,
             self.config.vocab_size, eos_token_ids,
             None if self.mesh is None else self.replicated)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The tokens min_tokens masks besides each request's stop_token_ids."""
+        return self.input_batch.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.input_batch.eos_token_ids = list(ids)
 
     # -- weights and memory (the research API: `LLM.update_params`, `LLM.sleep`) -------------
 
