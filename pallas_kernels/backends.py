@@ -137,32 +137,56 @@ class AttentionBackend:
         """The metadata of a step of T tokens (padded) whose sequences are
         `(block_table, num_computed_tokens, num_new_tokens)`, packed in that order; with no
         sequences, a padding-only step (it writes nothing) of variant `decode_only`."""
-        S, B = limits.block_size, limits.num_seqs_bucket(T)
-        assert len(seqs) <= B, (len(seqs), T)
-        slot_mapping = np.full((T,), PAD_SLOT_ID, np.int32)
-        num_computed, query_lens = np.zeros((B,), np.int32), np.zeros((B,), np.int32)
-        query_start_loc = np.full((B + 1,), sum(q for _, _, q in seqs), np.int32)
-        start = 0
-        for i, (table, computed, q) in enumerate(seqs):
-            pos = np.arange(computed, computed + q)
-            slot_mapping[start:start + q] = np.asarray(table, np.int32)[pos // S] * S + pos % S
-            num_computed[i], query_lens[i], query_start_loc[i] = computed, q, start
-            start += q
-        if decode_only is None:  # only backends with a decode-only variant tell them apart
-            decode_only = (bool(seqs) and all(q == 1 for _, _, q in seqs)
-                           and True in self.variants(T, limits))
-        return AttentionMetadata(slot_mapping, query_start_loc, num_computed, query_lens,
-                                 decode_only=decode_only,
-                                 **self._blocks(limits, T, B, seqs))
+        tables = np.zeros((len(seqs), limits.max_blocks_per_seq), np.int32)
+        for i, (table, _, _) in enumerate(seqs):
+            table = table[:limits.max_blocks_per_seq]  # blocks past max_model_len go unread
+            tables[i, :len(table)] = table
+        return self.build_from_arrays(
+            limits, T, tables, np.array([c for _, c, _ in seqs], np.int32),
+            np.array([q for _, _, q in seqs], np.int32), decode_only)
 
-    def _blocks(self, limits: StepLimits, T: int, B: int, seqs) -> dict[str, np.ndarray]:
+    def build_from_arrays(self, limits: StepLimits, T: int, block_tables: np.ndarray,
+                          num_computed_tokens: np.ndarray, query_lens: np.ndarray,
+                          decode_only: bool | None = None) -> AttentionMetadata:
+        """`build` from arrays (the runner's persistent input batch), n real sequences.
+
+        Args:
+          block_tables: i32[n, max_blocks_per_seq] each sequence's blocks; entries past the
+            blocks of its cached and new tokens are ignored.
+          num_computed_tokens: i32[n] tokens of each sequence already in the pool.
+          query_lens: i32[n] new tokens of each sequence (their sum at most T).
+          decode_only: the variant; None: decided from `query_lens`.
+        """
+        S, B, n = limits.block_size, limits.num_seqs_bucket(T), len(query_lens)
+        assert n <= B, (n, T)
+        total = int(query_lens.sum())
+        starts = np.cumsum(query_lens) - query_lens
+        token_row = np.repeat(np.arange(n), query_lens)
+        pos = num_computed_tokens[token_row] + np.arange(total) - starts[token_row]
+        slot_mapping = np.full((T,), PAD_SLOT_ID, np.int32)
+        slot_mapping[:total] = block_tables[token_row, pos // S] * S + pos % S
+        num_computed, lens = np.zeros((B,), np.int32), np.zeros((B,), np.int32)
+        num_computed[:n], lens[:n] = num_computed_tokens, query_lens
+        query_start_loc = np.full((B + 1,), total, np.int32)
+        query_start_loc[:n] = starts
+        if decode_only is None:  # only backends with a decode-only variant tell them apart
+            decode_only = (n > 0 and bool((query_lens == 1).all())
+                           and True in self.variants(T, limits))
+        return AttentionMetadata(slot_mapping, query_start_loc, num_computed, lens,
+                                 decode_only=decode_only,
+                                 **self._blocks(limits, T, B, block_tables,
+                                                num_computed_tokens, query_lens))
+
+    def _blocks(self, limits: StepLimits, T: int, B: int, block_tables: np.ndarray,
+                num_computed_tokens: np.ndarray, query_lens: np.ndarray
+                ) -> dict[str, np.ndarray]:
         """How this backend reads the sequences' blocks: `block_tables` over cached and new
         tokens, `max_blocks_per_seq` columns (the xla and Pallas backends)."""
-        S = limits.block_size
+        S, n = limits.block_size, len(query_lens)
+        num_blocks = -(-(num_computed_tokens + query_lens) // S)
         tables = np.zeros((B, limits.max_blocks_per_seq), np.int32)
-        for i, (table, computed, q) in enumerate(seqs):
-            n = -(-(computed + q) // S)
-            tables[i, :n] = table[:n]
+        tables[:n] = np.where(np.arange(tables.shape[1]) < num_blocks[:, None],
+                              block_tables, 0)
         return {"block_tables": tables}
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
@@ -274,21 +298,21 @@ class CpuBackend(AttentionBackend):
         self._xla = None if float32 else XlaBackend()
         self.writes_kv_per_layer = not float32
 
-    def _blocks(self, limits, T, B, seqs):
+    def _blocks(self, limits, T, B, block_tables, num_computed_tokens, query_lens):
         if not self.float32:
-            return super()._blocks(limits, T, B, seqs)
+            return super()._blocks(limits, T, B, block_tables, num_computed_tokens, query_lens)
         S = limits.block_size
-        num_blocks = [-(-computed // S) for _, computed, _ in seqs]
-        NB = self.num_context_entries(limits, T, sum(num_blocks))
+        num_blocks = -(-num_computed_tokens // S)  # cached blocks of each sequence
+        total = int(num_blocks.sum())
+        NB = self.num_context_entries(limits, T, total)
         blocks, rows = np.zeros((NB,), np.int32), np.full((NB,), B, np.int32)
         lens = np.zeros((NB,), np.int32)
-        start = 0
-        for i, ((table, computed, _), n) in enumerate(zip(seqs, num_blocks)):
-            blocks[start:start + n], rows[start:start + n] = table[:n], i
-            lens[start:start + n] = S
-            if n:
-                lens[start + n - 1] = computed - (n - 1) * S
-            start += n
+        row = np.repeat(np.arange(len(num_blocks)), num_blocks)
+        col = np.arange(total) - np.repeat(np.cumsum(num_blocks) - num_blocks, num_blocks)
+        blocks[:total], rows[:total] = block_tables[row, col], row
+        # Every block full but each sequence's last, which holds the rest of its tokens.
+        lens[:total] = np.where(col == num_blocks[row] - 1,
+                                num_computed_tokens[row] - col * S, S)
         return {"context_blocks": blocks, "context_rows": rows, "context_lens": lens}
 
     @staticmethod

@@ -58,6 +58,9 @@ class SchedulerOutput:
     # Per row, the speculative tokens it verifies after its last token (`jaxpaged.spec_decode`;
     # counted in its `num_scheduled_tokens`), [] for most rows.
     spec_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    # Sequences finished since the last step that ran, and those preempted in steps that ran
+    # nothing (their rows leave the runner's input batch; `preempted` holds this step's).
+    finished_seq_ids: list[int] = dataclasses.field(default_factory=list)
 
     def completes(self, row: int) -> bool:
         """Whether row `row` computes up to its last token, so the step samples for it (a
@@ -122,6 +125,7 @@ class Scheduler:
         self._prefills_left: int | None = None
         # Padding of the step being built that capped prompt chunks may still take.
         self._padding_left = 0
+        self._finished_seq_ids: list[int] = []  # since the last `schedule`
 
     def add(self, seq: Sequence) -> None:
         self.waiting.add(seq)
@@ -147,7 +151,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput | None:
         """The next step's batch, or None when nothing is waiting or running."""
-        out = SchedulerOutput([], [], [])
+        out = SchedulerOutput([], [], [], finished_seq_ids=self._finished_seq_ids)
+        self._finished_seq_ids = []
         num_decodes = sum(map(_is_decode, self.running))
         self._prefills_left = self.config.max_num_partial_prefills if num_decodes else None
         self._padding_left = 0
@@ -161,6 +166,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if not out.seqs:  # the runner never sees this step: the next one carries its leavers
+            self._finished_seq_ids = out.finished_seq_ids + [s.seq_id for s in out.preempted]
         return out if out.seqs or out.preempted else None
 
     def _prefill_tokens(self, seq: Sequence, remaining: int, budget: int) -> int:
@@ -374,6 +381,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self._finished_seq_ids.append(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

@@ -34,8 +34,8 @@ from jaxpaged.models.loader import flat_params
 from jaxpaged.pallas_kernels import StepLimits, copy_blocks
 from jaxpaged.sample.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
 from jaxpaged.core.scheduler import SchedulerOutput
-from jaxpaged.core.sequence import Sequence, completion_seed
-from jaxpaged.sample.structured_outputs import allocate_bitmask, fill_bitmask
+from jaxpaged.core.sequence import Sequence
+from jaxpaged.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,6 @@ class ModelRunner:
         # Steps of fewer tokens are padded up to this many (`step_tokens`; batch invariance).
         self.min_step_tokens = min_step_tokens
         self.backend = model.backend  # `pallas_kernels.backends.AttentionBackend`
-        self.eos_token_ids = eos_token_ids
         self.block_size = cache_config.block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or self.config.max_position_embeddings
@@ -115,6 +114,19 @@ class ModelRunner:
         # Test-only: called with each `SchedulerOutput` at the start of `execute`; a hook that
         # raises stands for a fault in the step (tests of the engine's fault isolation).
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
+        self.input_batch = InputBatch(
+            max(max_num_seqs, self.limits.max_seq_slots), self.limits.max_blocks_per_seq,
+            self.config.vocab_size, eos_token_ids,
+            None if self.mesh is None else self.replicated)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The tokens min_tokens masks besides each request's stop_token_ids."""
+        return self.input_batch.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.input_batch.eos_token_ids = list(ids)
 
     # -- weights and memory (the research API: `LLM.update_params`, `LLM.sleep`) -------------
 
@@ -318,6 +330,8 @@ class ModelRunner:
         """
         if self.fault_hook is not None:
             self.fault_hook(out)
+        self.input_batch.remove(out.finished_seq_ids)
+        self.input_batch.remove(seq.seq_id for seq in out.preempted)
         if out.blocks_to_copy:
             self.apply_copies(out.blocks_to_copy)
         spec = [out.spec_tokens(row) for row in range(len(out.seqs))]
@@ -363,8 +377,12 @@ class ModelRunner:
         rows, md = self.prepare_sampling(samples)
         num_logprobs = max((s.params.logprobs or 0) for _, s, _, _ in samples)
         num_logprobs = next_power_of_2(num_logprobs) if num_logprobs else 0
+        # Draws from logits rows 0.. in order, as many rows as samples (a decode step): the
+        # step's logits as they are (the padding samples draw from padding rows).
+        identity = (len(rows) == logits.shape[0]
+                    and (rows[:len(samples)] == np.arange(len(samples))).all())
         res = jax.device_get(self._sample(
-            sampler.gather_rows(logits, rows), md,
+            logits if identity else sampler.gather_rows(logits, rows), md,
             # Processed logprobs read the truncated distribution, which the greedy path skips.
             all_greedy=all(s.params.is_greedy and s.params.logprobs_mode == "raw"
                            for _, s, _, _ in samples),
@@ -372,15 +390,16 @@ class ModelRunner:
         row_of = np.searchsorted(first_logit, [r for r, _, _, _ in samples], side="right") - 1
         # Of a row verifying proposals, its draws up to the first that differs from them.
         output = rejection_sample(res.token_ids[:len(samples)], row_of,
-                                  [len(before) for _, _, _, before in samples], spec)
-        for i, ((_, seq, _, _), row) in enumerate(zip(samples, row_of)):
+                                  [len(before) for _, _, _, before in samples], spec).tolist()
+        token_ids, logprobs, ranks = (x.tolist() for x in (res.token_ids, res.logprobs,
+                                                           res.ranks))
+        for i, ((_, seq, _, _), row) in enumerate(zip(samples, row_of.tolist())):
             if not output[i]:
                 continue
             k = seq.params.logprobs
             top = (None if k is None else [] if k == 0 else
                    list(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist())))
-            token = SampledToken(int(res.token_ids[i]), float(res.logprobs[i]),
-                                 int(res.ranks[i]), top)
+            token = SampledToken(token_ids[i], logprobs[i], ranks[i], top)
             per_row[row].append(token)
         return per_row, prompt_lps
 
@@ -449,31 +468,42 @@ class ModelRunner:
                 spec_token_ids: list[list[int]] | None = None) -> ModelInput:
         """The step's sequences packed on one token axis of T = `step_tokens` of their
         tokens, in the order given (sequence i's logits are row i); the backend's metadata for
-        them. A row's `spec_token_ids`
+        them, from the persistent `input_batch`'s block tables. A row's `spec_token_ids`
         (speculative proposals) follow its own tokens and are counted in its `num_new_tokens`.
         """
-        T = self.step_tokens(sum(num_new_tokens))
+        rows = self.input_batch.sync(seqs, self.block_size)
+        q = np.asarray(num_new_tokens, np.int32)
+        total = int(q.sum())
+        T = self.step_tokens(total)
+        computed = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int32, len(seqs))
         input_ids, positions = np.zeros((T,), np.int32), np.zeros((T,), np.int32)
         rope_seq_lens = np.zeros((T,), np.int32) if self.config.rope_switch_length else None
-        start = 0
-        for row, (seq, q) in enumerate(zip(seqs, num_new_tokens)):
-            first = seq.num_computed_tokens
-            spec = spec_token_ids[row] if spec_token_ids else ()
-            own = q - len(spec)
-            input_ids[start:start + own] = seq.token_ids[first:first + own]
-            input_ids[start + own:start + q] = spec
-            positions[start:start + q] = np.arange(first, first + q)
-            if rope_seq_lens is not None:
-                rope_seq_lens[start:start + q] = seq.num_tokens
-            start += q
-        md = self.backend.build(self.limits, T, [
-            (seq.block_table, seq.num_computed_tokens, q) for seq, q in zip(seqs, num_new_tokens)])
+        if total == len(seqs):  # one token each: the decodes' last tokens
+            input_ids[:total] = [seq.token_ids[c] for seq, c in zip(seqs, computed.tolist())]
+        else:
+            start = 0
+            for row, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+                first = seq.num_computed_tokens
+                spec = spec_token_ids[row] if spec_token_ids else ()
+                own = n - len(spec)
+                input_ids[start:start + own] = seq.token_ids[first:first + own]
+                input_ids[start + own:start + n] = spec
+                start += n
+        starts = np.cumsum(q) - q
+        token_row = np.repeat(np.arange(len(seqs)), q)
+        positions[:total] = computed[token_row] + np.arange(total) - starts[token_row]
+        if rope_seq_lens is not None:
+            rope_seq_lens[:total] = np.repeat(
+                np.fromiter((seq.num_tokens for seq in seqs), np.int32, len(seqs)), q)
+        md = self.backend.build_from_arrays(self.limits, T, self.input_batch.block_tables[rows],
+                                            computed, q)
         return ModelInput(input_ids, positions, md, rope_seq_lens)
 
     def prepare_sampling(self, samples: list[tuple[int, Sequence, int, list[int]]]
                          ) -> tuple[np.ndarray, SamplingMetadata]:
         """Per-sample arrays for `sampler.sample`, padded to a power of two R, and i32[R] the
-        logits row each sample draws from (a step's sequence i has logits row i).
+        logits row each sample draws from (a step's sequence i has logits row i); from the
+        persistent `input_batch`'s per-row parameters (`InputBatch.sampling_metadata`).
 
         `samples` are (logits row, seq, j, proposals): sample j of a row drawing several uses
         seed `seq.seed + j` (mod 2**64), so the j-th of n completions equals a lone request
@@ -482,63 +512,6 @@ class ModelRunner:
         `num_output_tokens + len(proposals)`, with that token's key. (Proposals go only to
         sequences whose draws depend on no other earlier output: `spec_decode.num_proposals`.)
         """
-        R, V = next_power_of_2(len(samples)), self.config.vocab_size
-        f = {name: np.zeros((R,), np.float32) for name in
-             ("temperature", "min_p", "frequency_penalty", "presence_penalty")}
-        f["top_p"], f["repetition_penalty"] = np.ones((R,), np.float32), np.ones((R,), np.float32)
-        row_index, top_k, output_index = (np.zeros((R,), np.int32) for _ in range(3))
-        seeds = np.zeros((R, 2), np.uint32)
-        params = [seq.params for _, seq, _, _ in samples]
-        use_bias = any(p.logit_bias or p.allowed_token_ids is not None
-                       or seq.num_output_tokens < p.min_tokens
-                       for p, (_, seq, _, _) in zip(params, samples))
-        use_penalties = any(p.repetition_penalty != 1 or p.frequency_penalty
-                            or p.presence_penalty for p in params)
-        bias = np.zeros((R, V), np.float32) if use_bias else None
-        # Structured outputs: each constrained sample's allowed tokens (the others allow all).
-        use_bitmask = any(seq.matcher is not None for _, seq, _, _ in samples)
-        bitmask = allocate_bitmask(R, V) if use_bitmask else None
-        counts = np.zeros((R, V), np.int32) if use_penalties else None
-        prompt_mask = np.zeros((R, V), bool) if use_penalties else None
-        for i, ((row, seq, j, proposals), p) in enumerate(zip(samples, params)):
-            seed = completion_seed(seq.seed, j)
-            row_index[i], top_k[i] = row, p.top_k
-            output_index[i] = seq.num_output_tokens + len(proposals)
-            seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
-            for name in f:
-                f[name][i] = getattr(p, name)
-            if p.is_greedy:  # argmax of the whole row: no truncation, whatever the batch needs
-                top_k[i], f["top_p"][i], f["min_p"][i] = 0, 1.0, 0.0
-            if use_bias:
-                self._fill_bias(bias[i], seq)
-            if seq.matcher is not None:
-                fill_bitmask(seq.matcher, bitmask, i)
-            if use_penalties:
-                np.add.at(counts[i], seq.output_token_ids, 1)
-                prompt_mask[i, seq.token_ids[:seq.num_prompt_tokens]] = True
-        md = SamplingMetadata(
-            temperature=f["temperature"], top_k=top_k, top_p=f["top_p"],
-            min_p=f["min_p"] if f["min_p"].any() else None, seeds=seeds,
-            output_index=output_index, logit_bias=bias, token_bitmask=bitmask,
-            output_counts=counts, prompt_mask=prompt_mask,
-            repetition_penalty=f["repetition_penalty"] if use_penalties else None,
-            frequency_penalty=f["frequency_penalty"] if use_penalties else None,
-            presence_penalty=f["presence_penalty"] if use_penalties else None,
-            processed_logprobs=(np.array([p.logprobs_mode == "processed" for p in params]
-                                         + [False] * (R - len(params)))
-                                if any(p.logprobs_mode == "processed" for p in params) else None),
-            num_candidates=num_candidates([p.top_k for p in params if not p.is_greedy],
-                                          [p.top_p for p in params if not p.is_greedy], V))
-        return row_index, md
-
-    def _fill_bias(self, bias: np.ndarray, seq) -> None:
-        """logit_bias, the allowed_token_ids mask, and min_tokens' mask of EOS / stop tokens."""
-        p = seq.params
-        if p.allowed_token_ids is not None:
-            bias[:] = -np.inf
-            bias[p.allowed_token_ids] = 0.0
-        for token_id, value in (p.logit_bias or {}).items():
-            bias[token_id] += value
-        if seq.num_output_tokens < p.min_tokens:
-            stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
-            bias[stop_ids] = -np.inf
+        row_index = np.zeros((next_power_of_2(len(samples)),), np.int32)
+        row_index[:len(samples)] = [row for row, _, _, _ in samples]
+        return row_index, self.input_batch.sampling_metadata(samples)
