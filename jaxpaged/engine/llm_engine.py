@@ -516,6 +516,11 @@ class LLMEngine:
                                          self.dtype)
         self.update_params({**current, **changed})
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (`BlockManager.reset_prefix_cache`); False while requests
+        run (nothing is dropped then)."""
+        return self.block_manager.reset_prefix_cache()
+
     def sleep(self, level: int = 1) -> None:
         """Releases the KV pool (level 1) and the weights too (level 2); see `LLM.sleep`.
 
