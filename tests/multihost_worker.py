@@ -1,6 +1,6 @@
 """Run by tests/test_multihost_client.py, once per process: `python multihost_worker.py JSON`
 with JSON {"model": dir, "distributed": [coordinator, num_processes, process_id],
-"timeout_s": seconds per case}.
+"timeout_s": seconds per case, "prompt": token ids to complete, "embed": token id lists}.
 
 Process 0 wraps its engine in a `LeaderEngine` (as `jaxpaged serve` does) and drives it
 through an `AsyncLLMEngine` (the server's path): each case below, in order, each under
@@ -26,8 +26,8 @@ from jaxpaged.distributed.multihost import LeaderEngine, follow  # noqa: E402
 from jaxpaged.engine.async_llm_engine import AsyncLLMEngine  # noqa: E402
 from jaxpaged.sampling_params import RequestOutputKind  # noqa: E402
 
-PROMPT = {"prompt_token_ids": list(range(100, 140))}  # 2 full blocks: prefix-cached
-EMBED_IDS = [[5, 17, 300, 4000, 48000, 12], [9, 8, 7]]
+PROMPT = {"prompt_token_ids": args["prompt"]}
+EMBED_IDS = args["embed"]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                         output_kind=RequestOutputKind.FINAL_ONLY)
 STATS = ("num_prompt_tokens", "num_generation_tokens", "num_prefix_cache_hits",

@@ -83,12 +83,18 @@ REFUSED = {
 }
 
 
-def unsupported(name: str) -> str:
-    """The message of a refused engine operation `name` on several processes."""
-    reason = REFUSED.get(name, f"{LeaderEngine.__name__} forwards only {', '.join(FORWARDED)} "
-                                "to every process and reads host state on process 0")
-    return (f"{name} is not supported when the engine runs on several processes: "
-            + reason.format(name=name))
+class MultiProcessUnsupportedError(AttributeError, NotImplementedError):
+    """An engine operation refused on several processes; the message names it and says why.
+
+    A NotImplementedError (the server answers 501 with the message) and an AttributeError
+    (`hasattr(engine, name)` is False for an operation the engine does not offer here)."""
+
+    def __init__(self, name: str):
+        reason = REFUSED.get(name, f"{LeaderEngine.__name__} forwards only "
+                                   f"{', '.join(FORWARDED)} to every process and reads host "
+                                   "state on process 0")
+        super().__init__(f"{name} is not supported when the engine runs on several processes: "
+                         + reason.format(name=name))
 
 
 class LeaderEngine:
@@ -102,9 +108,9 @@ class LeaderEngine:
       (`step`, `embed`, `wake_up`) is published before it runs, so that the followers enter its
       collectives together with this process.
     - `HOST_READS`: read from process 0's engine (configs, tokenizer, stats).
-    - anything else: refused. `update_params`, `load_weights` and `get_params` raise
-      NotImplementedError naming the operation; any other attribute raises AttributeError
-      naming it. Nothing runs on process 0 alone.
+    - anything else: refused with `MultiProcessUnsupportedError` (a NotImplementedError and an
+      AttributeError) naming the operation and why (`REFUSED`: `update_params`, `load_weights`,
+      `get_params`). Nothing runs on process 0 alone.
     """
 
     def __init__(self, engine: LLMEngine):
@@ -119,7 +125,7 @@ class LeaderEngine:
             return getattr(self._engine, name)
         if name.startswith("__"):  # protocols probed by copy, pickle, inspect: absent
             raise AttributeError(name)
-        raise AttributeError(unsupported(name))
+        raise MultiProcessUnsupportedError(name)
 
     def _publish(self, method: str, *args) -> None:
         key = f"{KEY_PREFIX}{self._num_calls}"
@@ -173,16 +179,16 @@ class LeaderEngine:
     # -- refused ------------------------------------------------------------------------------
 
     def update_params(self, params) -> None:
-        """Raises NotImplementedError: see `REFUSED`."""
-        raise NotImplementedError(unsupported("update_params"))
+        """Raises MultiProcessUnsupportedError: see `REFUSED`."""
+        raise MultiProcessUnsupportedError("update_params")
 
     def load_weights(self, weights) -> None:
-        """Raises NotImplementedError: see `REFUSED`."""
-        raise NotImplementedError(unsupported("load_weights"))
+        """Raises MultiProcessUnsupportedError: see `REFUSED`."""
+        raise MultiProcessUnsupportedError("load_weights")
 
     def get_params(self):
-        """Raises NotImplementedError: see `REFUSED`."""
-        raise NotImplementedError(unsupported("get_params"))
+        """Raises MultiProcessUnsupportedError: see `REFUSED`."""
+        raise MultiProcessUnsupportedError("get_params")
 
     def shutdown(self) -> None:
         """Tells the followers to exit."""
