@@ -74,7 +74,7 @@ def test_a_refusal_is_both_not_implemented_and_a_missing_attribute():
     error = MultiProcessUnsupportedError("load_weights")
     assert isinstance(error, NotImplementedError) and isinstance(error, AttributeError)
     assert str(error).startswith("load_weights is not supported when the engine runs on "
-                                 "several processes: the new weights would have to reach")
+                                 "several processes: the checkpoint tensors would have to reach")
 
 
 def test_the_server_answers_a_refusal_with_501(tiny_llm, monkeypatch):

@@ -71,15 +71,17 @@ HOST_READS = frozenset({
 # Refused by name: weights held by one process cannot reach the others' devices through the
 # coordination service's key-value store (meant for small control messages), and process 0
 # alone cannot read or write arrays whose shards live on the other processes.
-WEIGHTS_REFUSAL = ("the new weights would have to reach every process's devices, and arrays do "
-                   "not travel between processes here; run the same LLM(...) script on every "
-                   "process (coordinator_address, num_processes, process_id) and call {name} on "
-                   "each with its own copy of the weights")
+OFFLINE_UPDATE = ("run the same LLM(...) script on every process (coordinator_address, "
+                  "num_processes, process_id) and call update_params on each with its own copy "
+                  "of the weights (NumPy arrays)")
 REFUSED = {
-    "update_params": WEIGHTS_REFUSAL,
-    "load_weights": WEIGHTS_REFUSAL,
+    "update_params": "the new weights would have to reach every process's devices, and arrays "
+                     "do not travel between processes here; " + OFFLINE_UPDATE,
+    "load_weights": "the checkpoint tensors would have to reach every process's devices, and "
+                    "arrays do not travel between processes here; " + OFFLINE_UPDATE,
     "get_params": "the parameters span every process's devices; process 0 alone cannot read "
-                  "them (run the same LLM(...) script on every process instead)",
+                  "them (offline, jax.experimental.multihost_utils.process_allgather on every "
+                  "process can)",
 }
 
 
@@ -94,7 +96,7 @@ class MultiProcessUnsupportedError(AttributeError, NotImplementedError):
                                    f"{', '.join(FORWARDED)} to every process and reads host "
                                    "state on process 0")
         super().__init__(f"{name} is not supported when the engine runs on several processes: "
-                         + reason.format(name=name))
+                         + reason)
 
 
 class LeaderEngine:
