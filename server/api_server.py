@@ -9,9 +9,10 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/embedding
 `{"error": {"message", "type", "param", "code"}}`: 400 for invalid input (`param` names the
 field), 401 for a missing or wrong API key on `/v1/*`, 404 for an unknown model or route, 415
 for a body not sent as `application/json`, 500 for a request that a fault in an engine step
-failed (the others go on), 503 once a fatal fault has stopped the engine; `serve` then exits
-with status 1 (see `jaxpaged.errors`). A client that disconnects while sending its body gets one
-log line, not an error.
+failed (the others go on), 501 for an operation the engine refuses by name (a
+NotImplementedError: on several processes, see `jaxpaged.distributed.multihost`), 503 once a
+fatal fault has stopped the engine; `serve` then exits with status 1 (see `jaxpaged.errors`).
+A client that disconnects while sending its body gets one log line, not an error.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         ClientDisconnect: _client_disconnected,
         HTTPException: lambda request, e: _error(APIError(
             e.detail, e.status_code, code="not_found" if e.status_code == 404 else None)),
+        # An operation this engine refuses (on several processes, say), named in the message.
+        NotImplementedError: lambda request, e: _error(APIError(
+            str(e), 501, type="not_implemented_error")),
         Exception: _internal_error,
     })
     if api_key is not None:

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 
@@ -173,11 +174,16 @@ def test_a_split_that_cannot_be_made_is_named(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def served_text(tp_models) -> str:
+def one_device_llm(tp_models) -> LLM:
+    return LLM(tp_models["llama-kv2"], precompile=False, max_model_len=256, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def served_text(one_device_llm) -> str:
     """One device's greedy completion of the served prompt."""
-    llm = LLM(tp_models["llama-kv2"], precompile=False, max_model_len=256, num_kv_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    return llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].text
+    return one_device_llm.generate("The capital of France is", params,
+                                   use_tqdm=False)[0].outputs[0].text
 
 
 def _complete(port: int, model: str, stream: bool = False) -> str:
@@ -257,9 +263,10 @@ def test_a_dead_process_is_a_clear_error_on_the_other(tp_models):
             p.wait()
 
 
-def test_serve_on_two_processes(tp_models, served_text):
+def test_serve_on_two_processes(tp_models, served_text, one_device_llm):
     """`jaxpaged serve` on two processes: process 0 serves HTTP, process 1 follows its engine
-    calls; both exit 0 when process 0 is interrupted."""
+    calls (embeddings too: they run on both, within 60 s, and completions after them still
+    work); both exit 0 when process 0 is interrupted."""
     model = str(tp_models["llama-kv2"])
     address, port = f"127.0.0.1:{free_port()}", free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
@@ -277,6 +284,12 @@ def test_serve_on_two_processes(tp_models, served_text):
             time.sleep(0.5)
         assert _complete(port, model) == served_text
         assert _complete(port, model, stream=True) == served_text
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=60,
+                               max_retries=0)
+        got = client.embeddings.create(model=model, input="The capital of France is")
+        [want] = one_device_llm.embed("The capital of France is")
+        np.testing.assert_allclose(got.data[0].embedding, want.outputs.embedding, atol=1e-5)
+        assert _complete(port, model) == served_text
         procs[0].send_signal(signal.SIGINT)
         for p in procs:
             assert p.wait(timeout=60) == 0, p.stdout.read()[-3000:]

@@ -211,9 +211,17 @@ class AsyncLLMEngine:
         """`LLMEngine.load_weights` on the engine's thread, between two steps."""
         await self.run(self.engine.load_weights, list(weights))
 
+    async def sleep(self, level: int = 1) -> None:
+        """`LLMEngine.sleep` on the engine's thread, between two steps."""
+        await self.run(self.engine.sleep, level)
+
+    async def wake_up(self) -> None:
+        """`LLMEngine.wake_up` on the engine's thread, between two steps."""
+        await self.run(self.engine.wake_up)
+
     async def reset_prefix_cache(self) -> bool:
-        """`BlockManager.reset_prefix_cache` between steps; False while requests run."""
-        return await self.run(self.engine.block_manager.reset_prefix_cache)
+        """`LLMEngine.reset_prefix_cache` between steps; False while requests run."""
+        return await self.run(self.engine.reset_prefix_cache)
 
     def stats(self) -> dict[str, int]:
         """`LLMEngine.stats()` as of the last call into the engine (no waiting on a step)."""

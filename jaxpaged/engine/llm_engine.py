@@ -408,6 +408,11 @@ class LLMEngine:
         """`EngineWeights.load_weights`."""
         self.weights.load_weights(weights)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (`BlockManager.reset_prefix_cache`); False while requests
+        run (nothing is dropped then)."""
+        return self.block_manager.reset_prefix_cache()
+
     def sleep(self, level: int = 1) -> None:
         """`EngineWeights.sleep`: the KV pool (level 1) and the weights (level 2) released."""
         self.weights.sleep(level, busy=self.has_unfinished_requests())

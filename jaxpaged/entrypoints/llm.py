@@ -323,7 +323,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache (for timing cold starts); False while requests run."""
-        return self.llm_engine.block_manager.reset_prefix_cache()
+        return self.llm_engine.reset_prefix_cache()
 
     # -- the research API: log-probabilities out, weights in, memory back ----------------
 
