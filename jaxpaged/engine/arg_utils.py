@@ -57,8 +57,8 @@ class EngineArgs:
     """
 
     model: str | os.PathLike | None = _option(
-        None, "model.model", "a local Hugging Face folder, a GGUF file (served from the file, "
-        "int8), or None for the embedded SmolLM2-135M-Instruct")
+        None, "model.model", "a local Hugging Face folder or a GGUF file (served from the file, "
+        "int8); default: the embedded SmolLM2-135M-Instruct")
     dtype: str = _option("auto", "model.dtype", "weights' and activations' dtype; auto: "
                          "float32 on CPU, bfloat16 on GPU", choices=DTYPES)
     max_model_len: int | None = _option(
@@ -99,8 +99,8 @@ class EngineArgs:
     seed: int = _option(0, "model.seed", "seeds the sampling of requests that give no seed")
     precompile: bool | list[int] | None = _option(
         None, "execution.precompile", "compile every step shape at startup so serving compiles "
-        "nothing new (None: on except for pallas-interpret; a list of step sizes in tokens: "
-        "those alone)", check=check_precompile)
+        "nothing new; default on (off on pallas-interpret), but generate and chat compile only "
+        "the shapes they run; in Python also a list of step sizes in tokens (those alone)", check=check_precompile)
     tensor_parallel_size: int = _option(
         1, "parallel.tensor_parallel_size", "devices to split the model over (tensor "
         "parallelism)", min=1, flags=("-tp",))
@@ -207,12 +207,13 @@ class EngineArgs:
         groups: dict[str, argparse._ArgumentGroup] = {}
         for field in dataclasses.fields(cls):
             meta = field.metadata
-            group = groups.get(meta["group"]) or groups.setdefault(
-                meta["group"], parser.add_argument_group(CLI_GROUPS[meta["group"]]))
+            if meta["group"] not in groups:
+                groups[meta["group"]] = parser.add_argument_group(CLI_GROUPS[meta["group"]])
+            group = groups[meta["group"]]
             kind = _cli_kind(hints[field.name])
-            default = "none" if field.default is None else field.default
+            shown = "" if field.default is None else f" (default: {field.default})"
             kwargs = dict(default=argparse.SUPPRESS,
-                          help=f"{meta['help']} (default: {default})".replace("%", "%%"))
+                          help=f"{meta['help']}{shown}".replace("%", "%%"))
             if kind is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif meta["choices"] is not None:

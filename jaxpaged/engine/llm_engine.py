@@ -303,7 +303,8 @@ class LLMEngine:
         self.proposer = (None if self.speculative_config is None
                          else self._make_proposer(self.speculative_config, backend, cache_dir))
         self.requests: dict[str, Request] = {}
-        self._seed_rng = np.random.default_rng(config.model.seed)  # seeds of requests that give none
+        # seeds of requests that give none
+        self._seed_rng = np.random.default_rng(config.model.seed)
         self._request_ids = itertools.count()
         self._arrivals = itertools.count()  # arrival order, for the priority policy
         self._token_texts: dict[int, str] = {}
