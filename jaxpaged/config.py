@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxpaged.spec_decode.proposers import SpeculativeConfig
 
 from jaxpaged.core.request_queue import REQUEST_QUEUES
 
@@ -20,6 +25,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # blocks in the pool; overrides kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 2 << 30  # pool budget in bytes when num_kv_blocks is None
     enable_prefix_caching: bool = True  # share cached K/V of common prompt prefixes
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; "auto": the model's dtype
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -33,6 +39,9 @@ class CacheConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, "
                              f"got {self.enable_prefix_caching!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of "
+                             f"{KV_CACHE_DTYPES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,3 +84,93 @@ class SchedulerConfig:
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be an int >= 1, "
                              f"got {self.max_num_batched_tokens!r}")
+
+
+# -- the rest of the engine's configuration (`EngineArgs.create_engine_config` builds it) --------
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLoadConfig:
+    """Which model, in which dtype, with which sampling defaults and seeds."""
+
+    model: str | None = None  # as given: a model name, a folder or a GGUF file; None the default
+    model_dir: Path | None = None  # the folder it resolved to (`model_store.resolve_model`)
+    dtype: str = "auto"  # one of DTYPES; "auto": float32 on CPU, bfloat16 on accelerators
+    seed: int = 0  # seeds the per-request seeds of requests that give none
+    # Default sampling values: "auto" (the model folder's generation_config.json), "vllm" or
+    # None (none), or another folder holding one.
+    generation_config: str | None = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The device mesh and the processes that share it."""
+
+    tensor_parallel_size: int = 1  # devices the model is split over
+    coordinator_address: str | None = None  # "host:port" of process 0; None: one process
+    num_processes: int = 1
+    process_id: int = 0  # this process's index, from 0
+
+    def __post_init__(self):
+        if self.coordinator_address is None and self.num_processes != 1:
+            raise ValueError(f"num_processes={self.num_processes} needs a coordinator_address")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, num_processes={self.num_processes}), "
+                             f"got {self.process_id!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight quantization."""
+
+    method: str | None = None  # None (weights in the model's dtype) or "int8" (weight-only)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningConfig:
+    """The reasoning parser the engine's structured-output gate and the server both follow."""
+
+    parser: str | None = None  # None, "deepseek_r1" or "qwen3"
+
+
+def check_precompile(precompile) -> None:
+    """Raises ValueError unless `precompile` is True, False, None or a list of step sizes."""
+    if not (precompile is None or isinstance(precompile, bool) or (
+            isinstance(precompile, (list, tuple)) and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in precompile))):
+        raise ValueError(f"precompile must be True, False, None or a list of step sizes "
+                         f"in tokens (ints >= 1), got {precompile!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionConfig:
+    """How steps run: the attention backend, batch invariance and compilation."""
+
+    attention_backend: str = "auto"  # "auto", "cpu", "pallas", "pallas-interpret" or "xla"
+    batch_invariant: bool = False  # results that do not depend on the batch (CPU)
+    # Step shapes compiled at startup: True all, False none, None the backend's default, or a
+    # tuple of step sizes in tokens (those alone).
+    precompile: bool | tuple[int, ...] | None = None
+    compilation_cache_dir: str | None = "auto"  # "auto", a folder, or None / "off"
+
+    def __post_init__(self):
+        check_precompile(self.precompile)
+        if isinstance(self.precompile, list):
+            object.__setattr__(self, "precompile", tuple(self.precompile))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything an `LLMEngine` is built from, resolved (`EngineArgs.create_engine_config`)."""
+
+    model: ModelLoadConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    execution: ExecutionConfig
+    quantization: QuantizationConfig
+    reasoning: ReasoningConfig
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding

@@ -43,21 +43,19 @@ logger = logging.getLogger(__name__)
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               model_root: str | None = None, tool_call_parser: str | None = None,
-              generation_defaults: dict | None = None,
-              reasoning_parser: str | None = None) -> Starlette:
+              generation_defaults: dict | None = None) -> Starlette:
     """The app serving `engine` as model `model_name`; `/v1/*` needs `api_key` if one is set;
     `tool_call_parser` (a name in `tool_calls.TOOL_CALL_PARSERS`) allows `tool_choice="auto"`;
     `generation_defaults` (`LLM.generation_defaults`) fill the sampling fields a request leaves
-    out; `reasoning_parser` (a name in `jaxpaged.reasoning.REASONING_PARSERS`) returns chats'
-    thinking as `reasoning_content`.
+    out; the engine's reasoning parser (`LLM(reasoning_parser=...)`) returns chats' thinking as
+    `reasoning_content`.
 
     The engine's step loop starts and stops with the app (its lifespan).
     """
     metrics = ServerMetrics(engine, model_name)
     serving = OpenAIServing(engine, model_name, on_finished=metrics.observe_finished,
                             tool_call_parser=tool_call_parser,
-                            generation_defaults=generation_defaults,
-                            reasoning_parser=reasoning_parser)
+                            generation_defaults=generation_defaults)
     h = _Handlers(engine, model_name, model_root, serving, metrics)
     routes = [
         Route("/v1/completions", h.completions, methods=["POST"]),
@@ -257,7 +255,7 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
 def run_server(llm: jaxpaged.LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, model_root: str | None = None,
                log_level: str = "info", tool_call_parser: str | None = None,
-               chat_template: str | None = None, reasoning_parser: str | None = None) -> int:
+               chat_template: str | None = None) -> int:
     """Serves `llm`'s engine with uvicorn until interrupted (returns 0), or until a fatal fault
     stops the engine or the server cannot start, say on a port in use (returns 1: the exit
     status of `jaxpaged serve`, for a supervisor). `tool_call_parser`: see `build_app`;
@@ -270,7 +268,7 @@ def run_server(llm: jaxpaged.LLM, model_name: str, host: str = "127.0.0.1", port
         llm.get_tokenizer().chat_template = chat_template
     engine = AsyncLLMEngine(llm.llm_engine)
     app = build_app(engine, model_name, api_key, model_root, tool_call_parser,
-                    getattr(llm, "generation_defaults", None), reasoning_parser)
+                    getattr(llm, "generation_defaults", None))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     engine.on_dead(lambda: setattr(server, "should_exit", True))
     try:

@@ -37,13 +37,12 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str,
                  on_finished: Callable[[RequestOutput], None] = lambda output: None,
-                 tool_call_parser: str | None = None, generation_defaults: dict | None = None,
-                 reasoning_parser: str | None = None):
+                 tool_call_parser: str | None = None, generation_defaults: dict | None = None):
         """`tool_call_parser`: a name in `TOOL_CALL_PARSERS`, to allow `tool_choice="auto"`.
         `generation_defaults`: the sampling values a request leaves out (`LLM.generation_defaults`:
-        the model's generation config), `max_tokens` among them. `reasoning_parser`: a name in
-        `jaxpaged.reasoning.REASONING_PARSERS`, to return the thinking as `reasoning_content` (None: the
-        engine's `reasoning_parser`, if it has one).
+        the model's generation config), `max_tokens` among them. The reasoning parser is the
+        engine's (`EngineConfig.reasoning`, `LLM(reasoning_parser=...)`): with one, the
+        thinking is returned as `reasoning_content`.
 
         Raises:
           ValueError: an unknown `tool_call_parser`."""
@@ -55,18 +54,11 @@ class OpenAIServing:
         self.on_finished = on_finished
         self.tool_call_parser = tool_call_parser
         self.defaults = dict(generation_defaults or {})
-        # The engine holds structured outputs back until the reasoning ends when it was built
-        # with the same parser (`LLM(reasoning_parser=...)`); the server follows the engine's.
-        engine_parser = getattr(engine.engine, "reasoning_parser", None)
-        reasoning_parser = reasoning_parser or engine_parser
-        self.reasoning = get_reasoning_parser(reasoning_parser)
-        # (<think>, </think>) ids, to count reasoning tokens; None for tags of several tokens
-        self.think_token_ids = (
-            getattr(engine.engine, "think_token_ids", None) if reasoning_parser == engine_parser
-            else None if self.reasoning is None
-            else self.reasoning.think_token_ids(engine.engine.tokenizer))
-        self.constraints_after_reasoning = (engine_parser == reasoning_parser
-                                            and self.think_token_ids is not None)
+        self.reasoning = get_reasoning_parser(engine.engine.reasoning_parser)
+        # (<think>, </think>) ids, to count reasoning tokens; None for tags of several tokens,
+        # and then the engine cannot hold structured outputs back until the reasoning ends.
+        self.think_token_ids = engine.engine.think_token_ids
+        self.constraints_after_reasoning = self.think_token_ids is not None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.entrypoints import cli
 LINES = [
     {"custom_id": "greedy", "method": "POST", "url": "/v1/completions",
@@ -70,11 +71,25 @@ def test_the_manifest(batch_run):
     # each request's effective seed: its own, or the run's seed (0) plus its line index
     assert manifest["request_seeds"] == {"greedy": 0, "sampled": 2, "chat": 3, "seeded": 11}
     assert manifest["num_requests"] == 6 and manifest["num_errors"] == 2
+    # every engine option, as EngineArgs reads it back: the flags given and the defaults
+    assert EngineArgs.from_dict(manifest["engine_options"]) == EngineArgs(
+        model=str(model), batch_invariant=True, precompile=False, max_model_len=128,
+        num_kv_blocks=64)
 
 
 def test_replay_is_identical(batch_run, capsys):
     _, _, _, manifest = batch_run
     assert cli.main(["replay", str(manifest)]) == 0
+    assert capsys.readouterr().out.strip().endswith("identical 6/6")
+
+
+def test_replay_takes_engine_flags_over_the_recorded_options(batch_run, tmp_path, capsys):
+    """A flag given to replay replaces the recorded option (with a warning); batch invariance
+    makes fewer sequences per step give the same results."""
+    _, _, _, manifest = batch_run
+    with pytest.warns(UserWarning, match="'max_num_seqs': 2"):
+        assert cli.main(["replay", str(manifest), "--max-num-seqs", "2", "-o",
+                         str(tmp_path / "replayed.jsonl")]) == 0
     assert capsys.readouterr().out.strip().endswith("identical 6/6")
 
 

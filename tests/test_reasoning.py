@@ -5,6 +5,7 @@ official `openai` client; `chat_template_kwargs` reach the template."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import numpy as np
@@ -14,6 +15,7 @@ from server_utils import ServerThread
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.reasoning import get_reasoning_parser
+from jaxpaged.entrypoints import cli
 from jaxpaged.sample.structured_outputs import (ReasoningGate, StructuredOutputsParams,
                                          allocate_bitmask, fill_bitmask)
 
@@ -202,20 +204,27 @@ def test_constraints_apply_after_reasoning(thinking_model_dir):
     assert out.outputs[0].text in ("London", "Rome")
 
 
-def test_server_parser_without_engine_parser_refuses_constraints(thinking_model_dir):
-    """A server parser over an engine built without one: a constraint would apply to the
-    reasoning, so it is a 400 naming the field; plain chats still split the reasoning."""
-    llm = LLM(thinking_model_dir, max_model_len=256, num_kv_blocks=64, precompile=False)
-    llm.get_tokenizer().chat_template = TEMPLATE
-    messages = [{"role": "user", "content": "Capital of France?"}]
-    with ServerThread(llm, "tiny", reasoning_parser="qwen3") as server:
-        r = httpx.post(f"{server.url}/v1/chat/completions", json={
-            "model": "tiny", "messages": messages,
-            "response_format": {"type": "json_object"}})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
-        r = httpx.post(f"{server.url}/v1/chat/completions", json={
-            "model": "tiny", "messages": messages, "temperature": 0})
-        assert r.json()["choices"][0]["message"]["reasoning_content"] == "Let me see."
+@pytest.mark.parametrize("flags, reasoning", [(["--reasoning-parser", "qwen3"], "Let me see."),
+                                              ([], None)])
+def test_run_batch_takes_the_reasoning_parser(thinking_model_dir, tmp_path, flags, reasoning):
+    """`jaxpaged run-batch --reasoning-parser` (one option: the engine's gate and the server's
+    split both follow the engine's config) returns the thinking apart and records the parser in
+    the manifest; without it the whole chain is the content."""
+    model = tmp_path / "model"
+    shutil.copytree(thinking_model_dir, model)
+    (model / "chat_template.jinja").write_text(TEMPLATE)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+                               "body": {"messages": [{"role": "user", "content": "Capital?"}],
+                                        "temperature": 0}}) + "\n")
+    assert cli.main(["run-batch", "-i", str(src), "-o", str(out), "--model", str(model),
+                     "--no-precompile", "--max-model-len", "256", "--num-kv-blocks", "64",
+                     *flags]) == 0
+    message = json.loads(out.read_text())["response"]["body"]["choices"][0]["message"]
+    assert message.get("reasoning_content") == reasoning
+    assert message["content"] == ("Paris" if reasoning else CHAIN)
+    manifest = json.loads((tmp_path / "out.jsonl.manifest.json").read_text())
+    assert manifest["engine_options"]["reasoning_parser"] == (flags[-1] if flags else None)
 
 
 def test_engine_reasoning_parser_checked(thinking_model_dir, default_model_dir):

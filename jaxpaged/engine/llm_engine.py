@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from flax import nnx
 
 from jaxpaged.worker import compilation_cache
 from jaxpaged.core.block_manager import BlockManager
-from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.config import EngineConfig
 from jaxpaged.errors import EngineDeadError
 from jaxpaged.engine.faults import FaultIsolatingExecutor, describe
 from jaxpaged.engine.embedding import Embedder
@@ -25,6 +24,7 @@ from jaxpaged.engine.weights import EngineWeights
 from jaxpaged.worker.kv_cache import code_dtype, num_kv_blocks, resolve_kv_cache_dtype
 from jaxpaged.worker.model_runner import ModelRunner
 from jaxpaged.model_loader.loader import load_model_from_dir
+from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.models import load_config
 from jaxpaged.models.layers import enable_few_row_kernel
 from jaxpaged.models.quantization import QUANTIZATION_METHODS, quantize_model
@@ -65,36 +65,27 @@ class LLMEngine:
         `max_model_len` tokens.
     """
 
-    def __init__(self, model_dir: Path, *, dtype: str = "auto", max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 long_prefill_token_threshold: int | None = None,
-                 max_num_partial_prefills: int = 1, scheduling_policy: str = "fcfs",
-                 cache_config: CacheConfig = CacheConfig(), attention_backend: str = "auto",
-                 seed: int = 0, precompile: bool | list[int] | None = None,
-                 tensor_parallel_size: int = 1,
-                 compilation_cache_dir: str | os.PathLike | None = "auto",
-                 batch_invariant: bool = False, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto",
-                 speculative_config: dict | str | SpeculativeConfig | None = None,
-                 reasoning_parser: str | None = None):
-        if not (precompile is None or isinstance(precompile, bool) or (
-                isinstance(precompile, (list, tuple)) and all(
-                    isinstance(n, int) and not isinstance(n, bool) and n >= 1
-                    for n in precompile))):
-            raise ValueError(f"precompile must be True, False, None or a list of step sizes "
-                             f"in tokens (ints >= 1), got {precompile!r}")
-        cache_dir = compilation_cache.resolve_cache_dir(compilation_cache_dir)
-        self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
+    def __init__(self, config: EngineConfig):
+        """`config`: the resolved options (`EngineArgs.create_engine_config`); the model is
+        read from `config.model.model_dir` (when None, `config.model.model` resolved)."""
+        self.config = config
+        model_dir = Path(config.model.model_dir or resolve_model(config.model.model))
+        execution, tensor_parallel_size = config.execution, config.parallel.tensor_parallel_size
+        attention_backend, precompile = execution.attention_backend, execution.precompile
+        batch_invariant = execution.batch_invariant
+        cache_dir = compilation_cache.resolve_cache_dir(execution.compilation_cache_dir)
+        self.speculative_config = config.speculative
         # Tensor parallelism: the model and the pool split over a mesh (`jaxpaged.distributed.parallel`).
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         self.model_config = load_config(model_dir).for_tensor_parallel(tensor_parallel_size)
         platform = current_platform()
-        self.dtype = platform.resolve_dtype(dtype)
+        self.dtype = platform.resolve_dtype(config.model.dtype)
+        quantization = config.quantization.method
         if quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization {quantization!r} is not one of "
                              f"{QUANTIZATION_METHODS}")
         self.quantization = quantization
-        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         attention_backend = (platform.batch_invariant_backend(attention_backend)
                              if batch_invariant else platform.attention_backend(attention_backend))
         self.batch_invariant = batch_invariant
@@ -103,18 +94,15 @@ class LLMEngine:
         self.attention_backend = backend.name
         if precompile is None:  # interpreted kernels take minutes a shape: compile as met
             precompile = not backend.name.endswith("-interpret")
-        self.scheduler_config = SchedulerConfig(
-            max_model_len=max_model_len or self.model_config.max_position_embeddings,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            max_num_partial_prefills=max_num_partial_prefills,
-            scheduling_policy=scheduling_policy)
+        self.scheduler_config = config.scheduler
+        cache_config = config.cache
         if cache_config.enable_prefix_caching and self.model_config.rope_switch_length:
             # A block's K/V then depends on its sequence's length (longrope rotates with the
             # long factors once a sequence passes the original length), not on its tokens alone.
             logger.warning("prefix caching is off: this model's RoPE (longrope) makes cached "
                            "blocks depend on the length of the sequence that computed them")
             cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
+            self.config = dataclasses.replace(config, cache=cache_config)
         self.cache_config = cache_config
         num_blocks = num_kv_blocks(self.model_config, cache_config, self.kv_cache_dtype)
         if num_blocks * cache_config.block_size < self.scheduler_config.max_model_len:
@@ -146,7 +134,8 @@ class LLMEngine:
                 self.runner.precompile(shapes, spec_tokens=self._max_spec_step_tokens())
             self.tokenizer = tokenizer.result()
         self.processor = RequestProcessor(self.tokenizer, self.model_config.vocab_size,
-                                          self.scheduler_config, reasoning_parser, seed)
+                                          self.scheduler_config, config.reasoning.parser,
+                                          config.model.seed)
         self.eos_token_ids = self.runner.eos_token_ids = eos_token_ids(
             model_dir, self.model_config.eos_token_ids, self.tokenizer)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,

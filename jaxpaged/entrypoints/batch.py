@@ -175,16 +175,19 @@ async def _run(llm, model_name: str, lines, out, total: int, seed: int, window: 
 
 
 def run_batch(llm, model_name: str, input_path: str | os.PathLike,
-              output_path: str | os.PathLike, engine_options: dict, seed: int = 0,
+              output_path: str | os.PathLike, engine_options: dict | None = None, seed: int = 0,
               window: int | None = None, progress: bool = True) -> dict:
     """Runs every line of `input_path` through `llm` and writes `output_path` and its manifest
     (`<output_path>.manifest.json`, returned). `engine_options`: the options `llm` was built
-    with, recorded for replay; `window`: requests in flight (default 2 * max_num_seqs).
+    with, recorded for replay (default: all of them, `llm.engine_args.to_dict()`); `window`:
+    requests in flight (default 2 * max_num_seqs).
 
     Raises:
       OSError: the input cannot be read or the output written.
     """
     input_path, output_path = Path(input_path), Path(output_path)
+    if engine_options is None:
+        engine_options = llm.engine_args.to_dict()
     start = time.time()
     with open(input_path, encoding="utf-8") as f:
         total = sum(1 for _ in f)
@@ -263,27 +266,32 @@ def _text_difference(tokenizer, a: dict, b: dict) -> str | None:
 
 
 def replay(manifest_path: str | os.PathLike, output_path: str | os.PathLike | None = None,
-           progress: bool = True) -> tuple[int, str]:
-    """Runs a recorded batch again with its options and seeds and compares the outputs.
+           progress: bool = True, overrides: dict | None = None) -> tuple[int, str]:
+    """Runs a recorded batch again with its options and seeds and compares the outputs. The
+    manifest's `engine_options` are `EngineArgs.to_dict()`'s (every option); `overrides`
+    (engine options by name) replace recorded ones, with a warning.
 
     Returns:
       (exit code, message): 0 and "identical N/N", or 1 naming the first differing
       `custom_id` and where in its response it differs.
 
     Raises:
-      ValueError: a model file (or the input) whose sha256 differs from the manifest's, named.
+      ValueError: a model file (or the input) whose sha256 differs from the manifest's, or a
+        recorded option that is no engine option or a bad value, named.
     """
     import warnings
 
+    from jaxpaged.engine.arg_utils import EngineArgs
     from jaxpaged.entrypoints.llm import LLM
+    from jaxpaged.model_loader.model_store import resolve_model
 
     manifest_path = Path(manifest_path)
     manifest = json.loads(manifest_path.read_text())
-    options = manifest["engine_options"]
-    model = options.get("model")
-    from jaxpaged.model_loader.model_store import resolve_model
-
-    model_dir = resolve_model(model)
+    engine_args = EngineArgs.from_dict({**manifest["engine_options"], **(overrides or {})})
+    if overrides:
+        warnings.warn(f"replaying with engine options other than the recorded ones: {overrides}",
+                      stacklevel=2)
+    model_dir = resolve_model(engine_args.model)
     files = model_files(model_dir)
     for name, digest in manifest["model_files"].items():
         if files.get(name) != digest:
@@ -298,7 +306,7 @@ def replay(manifest_path: str | os.PathLike, output_path: str | os.PathLike | No
         if now[key] != manifest.get(key):
             warnings.warn(f"replaying on other {key}: recorded {manifest[key]}, now {now[key]}",
                           stacklevel=2)
-    llm = LLM(**options)
+    llm = LLM.from_engine_args(engine_args)
     out = Path(output_path or f"{manifest['output']['path']}.replay")
     # Requests keep their recorded seeds: the input with each request's effective seed.
     seeded = out.with_name(out.name + ".input.jsonl")
@@ -313,7 +321,7 @@ def replay(manifest_path: str | os.PathLike, output_path: str | os.PathLike | No
             except (ValueError, AttributeError):
                 pass  # a bad line stays as it was, to fail as it did
             dst.write(line)
-    run_batch(llm, manifest["model_name"], seeded, out, options, seed=manifest["seed"],
+    run_batch(llm, manifest["model_name"], seeded, out, seed=manifest["seed"],
               window=manifest["window"], progress=progress)
     seeded.unlink()
     Path(f"{out}.manifest.json").unlink(missing_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import os
 from collections.abc import Sequence as SequenceABC
 
@@ -14,10 +15,9 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxpaged.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from jaxpaged.config import CacheConfig
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.errors import InvalidRequestError, RequestFailedError
 from jaxpaged.engine.llm_engine import LLMEngine
-from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.models import dense_forward
 from jaxpaged.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxpaged.distributed.parallel import init_distributed
@@ -37,151 +37,53 @@ def _token_rows(rows, field: str, repeat: int | None = None) -> list:
     return list(rows)
 
 
-def resolve_quantization(quantization: str | None, model) -> str | None:
-    """`LLM`'s `quantization`: "auto" is "int8" for a GGUF file, else None."""
-    if quantization != "auto":
-        return quantization
-    return "int8" if model is not None and str(model).endswith(".gguf") else None
-
-
 class LLM:
     """A model and its engine, for generating from Python.
 
     Args:
-      model: None or "HuggingFaceTB/SmolLM2-135M-Instruct" for the embedded default model, or
-        the path of a local Hugging Face folder of a supported architecture (LlamaForCausalLM).
-      dtype: "auto" (float32 on CPU, bfloat16 on GPU), "float32", "bfloat16" or "float16".
-      max_model_len: tokens per sequence (prompt + output); default the model's
-        `max_position_embeddings`.
-      max_num_seqs: sequences per step.
-      max_num_batched_tokens: tokens per step; default max(max_model_len, 2048).
-      long_prefill_token_threshold: prompt tokens a sequence computes at most in a step that
-        also decodes (0: no cap; default 128); bounds inter-token latency under load (see
-        `jaxpaged.core.scheduler`).
-      max_num_partial_prefills: prompts computed at most in a step that also decodes.
-      scheduling_policy: "fcfs" (arrival order) or "priority": requests run by their
-        `priority` (lower first, ties by arrival; `generate(..., priority=[...])`), and a
-        waiting request that finds no room preempts running ones of lower priority (vLLM's).
-      block_size: tokens per KV block.
-      num_kv_blocks: blocks in the KV pool; default: as many as `kv_cache_memory_bytes` holds.
-      kv_cache_memory_bytes: KV pool budget in bytes (default 2 GiB).
-      enable_prefix_caching: reuse the K/V of full blocks of earlier prompts with the same
-        prefix (automatic prefix caching); `RequestOutput.num_cached_tokens` reports the hits.
-      attention_backend: "auto" (Pallas kernels on GPU; on CPU the C++ kernel, or XLA where
-        no C++ compiler is found), "cpu", "pallas", "pallas-interpret" (the kernels under the
-        Pallas interpreter, for tests) or "xla" (pure jnp).
-      seed: seeds the per-request seeds of requests that set none.
-      tensor_parallel_size: devices to split the model over (tensor parallelism on a
-        `jax.sharding.Mesh` of the first that many of `jax.devices()`): query heads, the MLP's
-        hidden units and the vocabulary are split evenly, the KV pool by KV head (repeated
-        when there are fewer KV heads than devices). `kv_cache_memory_bytes` is then the
-        pool's total over all devices.
-      coordinator_address, num_processes, process_id: run on several processes (hosts) as one
-        JAX runtime (`jax.distributed.initialize`; process 0 hosts the coordinator at
-        "host:port"): the mesh then spans every process's devices. Run the same program, with
-        the same calls, on every process (see `jaxpaged.distributed.multihost`).
-      precompile: True compiles the model step for every shape the limits above allow, at
-        startup (with a progress bar), so that serving compiles nothing new: one shape per
-        token bucket of a packed step, about 25 under the default limits (twice that on the
-        Pallas backends, which compile decode-only steps apart). None (the default) is True
-        except on "pallas-interpret", whose interpreted kernels compile shapes as met. A list
-        of step sizes in tokens (ints >= 1) compiles, or loads from the compilation cache, the
-        steps of those sizes alone and runs each once, while the tokenizer loads: `[1]` for
-        the decode step of one sequence, what a one-shot `jaxpaged generate` runs for every
-        token after the first. Steps computing prompt logprobs take logits at every token and
-        compile their shape when first met.
-      compilation_cache_dir: where compiled steps are kept across processes
-        (`jaxpaged.worker.compilation_cache`): "auto" (`$JAXPAGED_COMPILATION_CACHE_DIR`, else
-        `$JAXPAGED_HOME/compile-cache`), a folder, or None (or "off") for none. With the
-        cache warm, startup loads each shape (about 0.2 s on CPU) instead of compiling it
-        (1-2 s).
-      batch_invariant: results that do not depend on the batch: a request's token ids and
-        log-probabilities are bitwise the same whatever other requests share its steps, however
-        its prompt is chunked, whether its prefix comes from the prefix cache, and whether it
-        was preempted and recomputed (greedy and seeded sampling). CPU only, on the "cpu"
-        (the C++ kernel in its invariant order) or "xla" attention backend: every step is
-        padded to at least 64 tokens, or 16 to 48 where the model's own step is found to give
-        the same bits from there (checked at start), so that XLA:CPU's matmuls compute each
-        row the same way whatever the other rows, and attention sums each query's keys in one
-        order (see `jaxpaged.platforms.cpu`).
-      quantization: None (weights in `dtype`) or "int8": weight-only int8, one scale per
-        output channel, for every linear layer and the token embedding (a tied LM head
-        included), made at load (`models.quantization`); on CPU the matmuls read the int8
-        weights (`pallas_kernels.quantized_matmul`). "auto" (the default): "int8" for a GGUF
-        file given as `model` (its quantized blocks converted once, at load, to int8 rows;
-        no float copy on disk), None otherwise.
-      kv_cache_dtype: the KV pool's dtype (vLLM's option): "auto" (the model's `dtype`),
-        "float32", "bfloat16", "float16", or the 8-bit pools "int8" and "fp8"
-        (float8_e4m3fn), one float32 scale per token and head: about a quarter of float32's
-        bytes per token, so `kv_cache_memory_bytes` holds about 3.8x the tokens.
-      generation_config: where the default sampling values come from (vLLM's option): "auto"
-        the model folder's `generation_config.json` (its temperature, top_p, top_k, min_p,
-        repetition_penalty and max_new_tokens), "vllm" or None none (`SamplingParams()`'s),
-        or another folder holding one. `get_default_sampling_params()` returns them; they
-        apply where no sampling params are given, and the server's requests override them
-        field by field.
-      speculative_config: speculative decoding (`jaxpaged.spec_decode`), vLLM's keys as a
-        dict (or its JSON text): `{"method": "ngram", "num_speculative_tokens": k,
-        "prompt_lookup_max": n, "prompt_lookup_min": m}` or `{"model": PATH,
-        "num_speculative_tokens": k}` (a draft model with the target's vocabulary), and
-        `disable_by_batch_size`. Outputs are the target's own draws (greedy ids equal to
-        decoding without it); acceptance is in each output's `metrics` and in `stats()`.
-      reasoning_parser: "qwen3" or "deepseek_r1" for a model that thinks between `<think>`
-        and `</think>` (each one token of its tokenizer): a request's `structured_outputs`
-        then constrain only the answer after `</think>` (vLLM's behaviour), and `jaxpaged
-        serve --reasoning-parser` returns the thinking as `reasoning_content`.
+      model: None or "HuggingFaceTB/SmolLM2-135M-Instruct" for the embedded default model, the
+        path of a local Hugging Face folder of a supported architecture, or a GGUF file.
+      **kwargs: the engine options: the fields of `jaxpaged.engine.arg_utils.EngineArgs`, which
+        gives each one's type, default, allowed values and meaning (`inspect.signature(LLM)`
+        lists them with their defaults). Among them `max_model_len`, `max_num_seqs`,
+        `max_num_batched_tokens`, `block_size`, `num_kv_blocks`, `kv_cache_memory_bytes`
+        (bytes), `enable_prefix_caching`, `kv_cache_dtype`, `quantization`,
+        `attention_backend`, `tensor_parallel_size`, `batch_invariant` (see
+        `jaxpaged.platforms.cpu`), `precompile`, `compilation_cache_dir`,
+        `speculative_config` (`jaxpaged.spec_decode`), `generation_config` (the
+        defaults `get_default_sampling_params` returns) and `reasoning_parser`.
+        `coordinator_address`, `num_processes` and `process_id` run one engine on several
+        processes (`jaxpaged.distributed.multihost`).
 
     Raises:
+      TypeError: a keyword that is no engine option, named.
       ValueError: an unknown model or an out-of-range setting, naming it.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None,
-                 long_prefill_token_threshold: int | None = None,
-                 max_num_partial_prefills: int = 1, scheduling_policy: str = "fcfs",
-                 block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory_bytes: int = 2 << 30,
-                 enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 seed: int = 0, precompile: bool | list[int] | None = None,
-                 tensor_parallel_size: int = 1,
-                 coordinator_address: str | None = None, num_processes: int = 1,
-                 process_id: int = 0,
-                 compilation_cache_dir: str | os.PathLike | None = "auto",
-                 batch_invariant: bool = False, quantization: str | None = "auto",
-                 kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None,
-                 generation_config: str | os.PathLike | None = "auto",
-                 reasoning_parser: str | None = None):
-        if coordinator_address is not None:
-            init_distributed(coordinator_address, num_processes, process_id)
-        elif num_processes != 1:
-            raise ValueError(f"num_processes={num_processes} needs a coordinator_address")
-        model_dir = resolve_model(model)
-        cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                   kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                   enable_prefix_caching=enable_prefix_caching)
-        self.llm_engine = LLMEngine(model_dir, dtype=dtype, max_model_len=max_model_len,
-                                    max_num_seqs=max_num_seqs,
-                                    max_num_batched_tokens=max_num_batched_tokens,
-                                    long_prefill_token_threshold=long_prefill_token_threshold,
-                                    max_num_partial_prefills=max_num_partial_prefills,
-                                    scheduling_policy=scheduling_policy,
-                                    cache_config=cache_config,
-                                    attention_backend=attention_backend, seed=seed,
-                                    precompile=precompile,
-                                    tensor_parallel_size=tensor_parallel_size,
-                                    compilation_cache_dir=compilation_cache_dir,
-                                    batch_invariant=batch_invariant,
-                                    quantization=resolve_quantization(quantization, model),
-                                    kv_cache_dtype=kv_cache_dtype,
-                                    speculative_config=speculative_config,
-                                    reasoning_parser=reasoning_parser)
+    def __init__(self, model: str | os.PathLike | None = None, **kwargs):
+        self._init(EngineArgs.from_kwargs(model=model, **kwargs))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """The `LLM` of `engine_args` (as `LLM(**dataclasses.asdict(engine_args))`)."""
+        llm = cls.__new__(cls)
+        llm._init(engine_args)
+        return llm
+
+    def _init(self, engine_args: EngineArgs) -> None:
+        self.engine_args = engine_args  # as given, for a manifest (`jaxpaged.entrypoints.batch`)
+        if engine_args.coordinator_address is not None:
+            init_distributed(engine_args.coordinator_address, engine_args.num_processes,
+                             engine_args.process_id)
+        config = engine_args.create_engine_config()
+        self.llm_engine = LLMEngine(config)
         self._dense_forward = None  # jitted on first use
+        generation_config = config.model.generation_config
         if generation_config in (None, "vllm"):
             self.generation_defaults = {}
         else:
             self.generation_defaults = generation_defaults(
-                model_dir if generation_config == "auto" else generation_config)
+                config.model.model_dir if generation_config == "auto" else generation_config)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """`SamplingParams` with the model's generation-config defaults (`generation_config`);
@@ -509,3 +411,7 @@ class LLM:
     def stats(self) -> dict[str, int]:
         """num_total_blocks, num_free_blocks, num_running, num_waiting, num_preemptions."""
         return self.llm_engine.stats()
+
+
+LLM.__init__.__signature__ = EngineArgs.signature(
+    inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD))

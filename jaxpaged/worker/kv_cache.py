@@ -21,14 +21,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from jaxpaged.config import CacheConfig
+from jaxpaged.config import KV_CACHE_DTYPES, CacheConfig
 from jaxpaged.models import ModelConfig
 from jaxpaged.pallas_kernels import KV_CACHE_SPEC
 from jaxpaged.pallas_kernels.backends import layer_pages
 from jaxpaged.pallas_kernels.reference import KV_CODE_DTYPES, QuantizedKVCache
 
 # `kv_cache_dtype` values (vLLM's option): "auto" is the model's dtype.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 POOL_DTYPES = KV_CACHE_DTYPES[1:]  # what a pool is, once "auto" is resolved
 
 
