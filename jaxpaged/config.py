@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jaxpaged.spec_decode.proposers import SpeculativeConfig
+    from jaxpaged.spec_decode import SpeculativeConfig
 
 from jaxpaged.core.request_queue import REQUEST_QUEUES
 

@@ -14,7 +14,7 @@ import pytest
 from jaxpaged import LLM
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.entrypoints.cli import build_parser
-from jaxpaged.spec_decode.proposers import NgramProposer, SpeculativeConfig
+from jaxpaged.spec_decode import NgramProposer, SpeculativeConfig
 
 FIELDS = dataclasses.fields(EngineArgs)
 SPEC = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'

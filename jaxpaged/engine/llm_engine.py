@@ -121,7 +121,9 @@ class LLMEngine:
             self.runner = ModelRunner(model, cache_config, num_blocks, self.kv_cache_dtype,
                                       max_num_seqs=self.scheduler_config.max_num_seqs,
                                       max_model_len=self.scheduler_config.max_model_len,
-                                      compilation_cache_dir=cache_dir)
+                                      compilation_cache_dir=cache_dir,
+                                      min_seq_slots=(platform.batch_invariant_min_seq_slots
+                                                     if batch_invariant else 1))
             if batch_invariant:
                 self.runner.min_step_tokens = platform.batch_invariant_min_step_tokens(
                     self.runner, backend.name)

@@ -109,6 +109,11 @@ class CpuPlatform(Platform):
     name = "cpu"
     jax_backend = "cpu"
 
+    # XLA:CPU computes a row of a dot the same way at every row count from
+    # `BATCH_INVARIANT_MIN_TOKENS` rows on: with at least that many slots, a step of T tokens
+    # has min(T, slots) logits rows computed one way whatever `max_num_seqs` is.
+    batch_invariant_min_seq_slots = BATCH_INVARIANT_MIN_TOKENS
+
     def __init__(self):
         configure_kernels()
 

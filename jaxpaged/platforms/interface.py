@@ -68,6 +68,10 @@ class Platform:
         raise ValueError(f"batch_invariant=True is implemented on CPU only, not on "
                          f"{self.name!r}")
 
+    # The fewest sequence slots (LM-head rows) a batch-invariant runner has, whatever
+    # `max_num_seqs`: a step's logits rows then do not depend on `max_num_seqs`.
+    batch_invariant_min_seq_slots = 1
+
     # The compilation cache (`jaxpaged.worker.compilation_cache`).
     def machine_id(self) -> str:
         """The device the executables are compiled for, as a folder-name-safe string."""

@@ -61,9 +61,11 @@ class ModelRunner:
     def __init__(self, model: nnx.Module, cache_config: CacheConfig, num_blocks: int,
                  kv_cache_dtype: str, eos_token_ids: set[int] = frozenset(),
                  max_num_seqs: int = 256, max_model_len: int | None = None,
-                 compilation_cache_dir=None, min_step_tokens: int = 1):
+                 compilation_cache_dir=None, min_step_tokens: int = 1, min_seq_slots: int = 1):
         """`kv_cache_dtype` is the pool's dtype name (`kv_cache.POOL_DTYPES`); the pool
-        (`self.kv_cache`, a `KVCache`) has `num_blocks` blocks of `cache_config.block_size`."""
+        (`self.kv_cache`, a `KVCache`) has `num_blocks` blocks of `cache_config.block_size`.
+        A step has `bucket(max(max_num_seqs, min_seq_slots))` sequence slots at most (logits
+        rows; batch invariance sets `min_seq_slots`)."""
         self.config = model.config
         # Steps of fewer tokens are padded up to this many (`step_tokens`; batch invariance).
         self.min_step_tokens = min_step_tokens
@@ -72,7 +74,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.limits = StepLimits(block_size=self.block_size, num_blocks=num_blocks,
-                                 max_seq_slots=bucket(max_num_seqs),
+                                 max_seq_slots=bucket(max(max_num_seqs, min_seq_slots)),
                                  max_blocks_per_seq=-(-self.max_model_len // self.block_size))
         self.graphdef, self.params = nnx.split(model)
         graphdef = self.graphdef
