@@ -19,23 +19,21 @@ from jaxpaged.engine.faults import FaultIsolatingExecutor, describe
 from jaxpaged.engine.embedding import Embedder
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.processor import RequestProcessor
+from jaxpaged.engine.setup import (build_runner, load_engine_model, make_backend,
+                                   max_spec_step_tokens, size_pool)
 from jaxpaged.engine.stats import engine_stats
 from jaxpaged.engine.weights import EngineWeights
-from jaxpaged.worker.kv_cache import code_dtype, num_kv_blocks, resolve_kv_cache_dtype
-from jaxpaged.worker.model_runner import ModelRunner
-from jaxpaged.model_loader.loader import load_model_from_dir
+from jaxpaged.worker.kv_cache import resolve_kv_cache_dtype
 from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.models import load_config
-from jaxpaged.models.layers import enable_few_row_kernel
-from jaxpaged.models.quantization import QUANTIZATION_METHODS, quantize_model
+from jaxpaged.models.quantization import QUANTIZATION_METHODS
 from jaxpaged.model_loader.tokenizer import eos_token_ids, load_tokenizer
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.distributed.parallel import make_mesh
 from jaxpaged.engine.request import Request
-from jaxpaged.pallas_kernels import make_attention_backend
 from jaxpaged.platforms import current_platform
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.spec_decode import (ProposerContext, SpeculativeConfig, make_proposer,
+from jaxpaged.spec_decode import (ProposerContext, make_proposer,
                                   set_proposals)
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.sequence import Scoring, Sequence
@@ -43,19 +41,6 @@ from jaxpaged.core.sequence import Scoring, Sequence
 logger = logging.getLogger(__name__)
 
 
-
-def _release_freed_memory() -> None:
-    """Hands memory freed by loading (float weights replaced by quantized ones, GGUF blocks
-    dequantized and dropped) back to the OS: glibc keeps freed heap pages resident until
-    `malloc_trim`. A no-op where the C library is not glibc."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 class LLMEngine:
     """Holds the tokenizer, scheduler, block manager and model runner of one model.
@@ -69,75 +54,47 @@ class LLMEngine:
         """`config`: the resolved options (`EngineArgs.create_engine_config`); the model is
         read from `config.model.model_dir` (when None, `config.model.model` resolved)."""
         self.config = config
-        model_dir = Path(config.model.model_dir or resolve_model(config.model.model))
-        execution, tensor_parallel_size = config.execution, config.parallel.tensor_parallel_size
-        attention_backend, precompile = execution.attention_backend, execution.precompile
-        batch_invariant = execution.batch_invariant
-        cache_dir = compilation_cache.resolve_cache_dir(execution.compilation_cache_dir)
+        self.model_dir = model_dir = Path(config.model.model_dir
+                                          or resolve_model(config.model.model))
+        tensor_parallel_size = config.parallel.tensor_parallel_size
+        cache_dir = compilation_cache.resolve_cache_dir(config.execution.compilation_cache_dir)
         self.speculative_config = config.speculative
-        # Tensor parallelism: the model and the pool split over a mesh (`jaxpaged.distributed.parallel`).
+        self.scheduler_config = config.scheduler
+        # Tensor parallelism: the model and the pool split over a mesh (`distributed.parallel`).
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         self.model_config = load_config(model_dir).for_tensor_parallel(tensor_parallel_size)
-        platform = current_platform()
-        self.dtype = platform.resolve_dtype(config.model.dtype)
-        quantization = config.quantization.method
-        if quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization {quantization!r} is not one of "
+        self.dtype = current_platform().resolve_dtype(config.model.dtype)
+        self.quantization = config.quantization.method
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization {self.quantization!r} is not one of "
                              f"{QUANTIZATION_METHODS}")
-        self.quantization = quantization
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
-        attention_backend = (platform.batch_invariant_backend(attention_backend)
-                             if batch_invariant else platform.attention_backend(attention_backend))
-        self.batch_invariant = batch_invariant
-        backend = make_attention_backend(attention_backend, code_dtype(self.kv_cache_dtype),
-                                         self.mesh, batch_invariant=batch_invariant)
+        self.batch_invariant = config.execution.batch_invariant
+        backend, precompile = make_backend(config.execution, self.kv_cache_dtype, self.mesh)
         self.attention_backend = backend.name
-        if precompile is None:  # interpreted kernels take minutes a shape: compile as met
-            precompile = not backend.name.endswith("-interpret")
-        self.scheduler_config = config.scheduler
-        cache_config = config.cache
-        if cache_config.enable_prefix_caching and self.model_config.rope_switch_length:
-            # A block's K/V then depends on its sequence's length (longrope rotates with the
-            # long factors once a sequence passes the original length), not on its tokens alone.
-            logger.warning("prefix caching is off: this model's RoPE (longrope) makes cached "
-                           "blocks depend on the length of the sequence that computed them")
-            cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
+        cache_config, num_blocks = size_pool(config.cache, self.model_config, self.kv_cache_dtype,
+                                             self.scheduler_config.max_model_len)
+        if cache_config is not config.cache:
             self.config = dataclasses.replace(config, cache=cache_config)
         self.cache_config = cache_config
-        num_blocks = num_kv_blocks(self.model_config, cache_config, self.kv_cache_dtype)
-        if num_blocks * cache_config.block_size < self.scheduler_config.max_model_len:
-            raise ValueError(
-                f"the KV pool holds {num_blocks} blocks of {cache_config.block_size} tokens, "
-                f"fewer than max_model_len={self.scheduler_config.max_model_len}: raise "
-                "num_kv_blocks / kv_cache_memory_bytes or lower max_model_len")
 
         # The tokenizer loads on a thread beside the weights and the executables: it is Python
         # imports (transformers, and torch where it is installed: seconds) and file reads, they
         # are mostly XLA and numpy, outside the GIL.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(load_tokenizer, model_dir)
-            model = self._load_model(model_dir, backend)
+            model = self._load_model(backend)
             self.model_cls = type(model)
-            self.runner = ModelRunner(model, cache_config, num_blocks, self.kv_cache_dtype,
-                                      max_num_seqs=self.scheduler_config.max_num_seqs,
-                                      max_model_len=self.scheduler_config.max_model_len,
-                                      compilation_cache_dir=cache_dir,
-                                      min_seq_slots=(platform.batch_invariant_min_seq_slots
-                                                     if batch_invariant else 1))
-            if batch_invariant:
-                self.runner.min_step_tokens = platform.batch_invariant_min_step_tokens(
-                    self.runner, backend.name)
-            shapes = self.runner.step_shapes(self.scheduler_config.max_num_batched_tokens)
-            if isinstance(precompile, (list, tuple)):  # those step sizes alone, quietly
-                wanted = {self.runner.step_tokens(n) for n in precompile}
-                self.runner.precompile([(T, v) for T, v in shapes if T in wanted],
-                                       progress=False, sampler_variants=False)
-            elif precompile:
-                self.runner.precompile(shapes, spec_tokens=self._max_spec_step_tokens())
+            self.runner = build_runner(
+                model, cache_config, num_blocks, self.kv_cache_dtype, self.scheduler_config,
+                cache_dir, self.batch_invariant, precompile,
+                max_spec_step_tokens(self.speculative_config, self.scheduler_config))
             self.tokenizer = tokenizer.result()
         self.processor = RequestProcessor(self.tokenizer, self.model_config.vocab_size,
                                           self.scheduler_config, config.reasoning.parser,
                                           config.model.seed)
+        self.input_processor = self.processor.input_processor  # tokenizing, chat templates
+        self.think_token_ids = self.processor.think_token_ids  # (<think>, </think>) or None
         self.eos_token_ids = self.runner.eos_token_ids = eos_token_ids(
             model_dir, self.model_config.eos_token_ids, self.tokenizer)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
@@ -147,54 +104,25 @@ class LLMEngine:
                                    eos_token_ids=self.eos_token_ids,
                                    recompute_at=self.model_config.rope_switch_length)
         self.executor = FaultIsolatingExecutor(self.runner)
-        self.proposer = (None if self.speculative_config is None
-                         else self._make_proposer(self.speculative_config, backend, cache_dir))
+        self.proposer = (None if self.speculative_config is None else make_proposer(
+            self.speculative_config, ProposerContext(
+                self.model_config, self.dtype, backend, self.cache_config, num_blocks,
+                self.scheduler_config, cache_dir, self.mesh)))
         self.requests: dict[str, Request] = {}
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self.weights = EngineWeights(self.runner, self.block_manager,
-                                     lambda: self._load_model(model_dir, self.runner.backend),
+                                     lambda: self._load_model(self.runner.backend),
                                      self.model_cls, self.model_config, self.dtype,
                                      self.quantization)
         self.embedder = Embedder(self.runner.graphdef, self.model_config.hidden_size)
         self.dead: EngineDeadError | None = None  # set by a fatal fault: no step runs after it
         self.num_failed_requests = 0  # requests failed by a fault in a step
         self.num_prompt_tokens = 0  # prompt tokens computed (recomputes included)
-        self.model_dir = model_dir
 
-    def _load_model(self, model_dir: Path, backend) -> nnx.Module:
-        """The model with its weights (read from the GGUF file itself for a folder that serves
-        one, `gguf_import.write_gguf_metadata`), quantized as `quantization` says."""
-        model = load_model_from_dir(model_dir, self.model_config, self.dtype, backend, self.mesh)
-        model = quantize_model(model, self.quantization, mesh=self.mesh)
-        # Steps of a few tokens (verifications) on the few-row kernel; not in batch-invariant
-        # mode, whose rows must be computed one way whatever the step's size.
-        if current_platform().use_few_row_kernel(self.dtype, self.mesh is not None,
-                                                 self.batch_invariant):
-            enable_few_row_kernel(model)
-        _release_freed_memory()
-        return model
-
-    def _make_proposer(self, config: SpeculativeConfig, backend, cache_dir):
-        """The proposer of `config` (`jaxpaged.spec_decode.make_proposer`).
-
-        Raises:
-          ValueError: a combination speculative decoding does not support (named), or a draft
-            model whose vocabulary differs from the target's.
-        """
-        return make_proposer(config, ProposerContext(
-            self.model_config, self.dtype, backend, self.cache_config,
-            self.block_manager.num_blocks, self.scheduler_config, cache_dir, self.mesh))
-
-    def _max_spec_step_tokens(self) -> int:
-        """The most tokens a step verifying proposals takes (0 without speculation): every
-        sequence it may run for decoding, each with k proposals."""
-        c = self.speculative_config
-        if c is None:
-            return 0
-        seqs = min(self.scheduler_config.max_num_seqs,
-                   c.disable_by_batch_size or self.scheduler_config.max_num_seqs)
-        return min(self.scheduler_config.max_num_batched_tokens,
-                   seqs * (c.num_speculative_tokens + 1))
+    def _load_model(self, backend) -> nnx.Module:
+        """`setup.load_engine_model` with this engine's options."""
+        return load_engine_model(self.model_dir, self.model_config, self.dtype, backend,
+                                 self.mesh, self.quantization, self.batch_invariant)
 
     def _propose(self) -> None:
         """Sets the proposals of each decoding sequence for the next step
@@ -346,30 +274,22 @@ class LLMEngine:
     # -- what other owners do, reached through the engine -------------------------------------
 
     @property
-    def input_processor(self):
-        return self.processor.input_processor
-
-    @property
     def grammar_compiler(self):
-        return self.processor.grammar_compiler
+        return self.processor.grammar_compiler  # built when first needed
 
     @property
     def reasoning_parser(self) -> str | None:
         return None if self.processor.reasoning is None else self.processor.reasoning.name
 
-    @property
-    def think_token_ids(self) -> tuple[int, int] | None:
-        return self.processor.think_token_ids
-
     def tokenize_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         """`InputProcessor.tokenize_prompt`."""
-        return self.processor.input_processor.tokenize_prompt(prompt)
+        return self.input_processor.tokenize_prompt(prompt)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict] | None = None,
                     template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """`InputProcessor.chat_prompt`."""
-        return self.processor.input_processor.chat_prompt(
+        return self.input_processor.chat_prompt(
             messages, add_generation_prompt, continue_final_message, tools, template_kwargs)
 
     def scoring_prompt(self, prompt_token_ids, completion_token_ids) -> tuple[list[int], int]:

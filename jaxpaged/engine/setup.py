@@ -1,0 +1,135 @@
+"""How `LLMEngine` is put together: the model loaded and quantized, the runner built, its step
+shapes compiled, the limits a speculative step needs. Functions of the engine's resolved
+options, kept apart from the engine core, which only schedules, steps and books."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from flax import nnx
+
+from jaxpaged.config import CacheConfig, ExecutionConfig, SchedulerConfig
+from jaxpaged.model_loader.loader import load_model_from_dir
+from jaxpaged.models import ModelConfig
+from jaxpaged.models.layers import enable_few_row_kernel
+from jaxpaged.models.quantization import quantize_model
+from jaxpaged.pallas_kernels import make_attention_backend
+from jaxpaged.platforms import current_platform
+from jaxpaged.spec_decode import SpeculativeConfig
+from jaxpaged.worker.kv_cache import code_dtype, num_kv_blocks
+from jaxpaged.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def release_freed_memory() -> None:
+    """Hands memory freed by loading (float weights replaced by quantized ones, GGUF blocks
+    dequantized and dropped) back to the OS: glibc keeps freed heap pages resident until
+    `malloc_trim`. A no-op where the C library is not glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def load_engine_model(model_dir: Path, model_config: ModelConfig, dtype, backend, mesh,
+                      quantization: str | None, batch_invariant: bool) -> nnx.Module:
+    """The model with its weights (read from the GGUF file itself for a folder that serves
+    one, `gguf_import.write_gguf_metadata`), quantized as `quantization` says
+    (`models.quantization`), on the few-row kernel where the platform uses it."""
+    model = load_model_from_dir(model_dir, model_config, dtype, backend, mesh)
+    model = quantize_model(model, quantization, mesh=mesh)
+    # Steps of a few tokens (verifications) on the few-row kernel; not in batch-invariant
+    # mode, whose rows must be computed one way whatever the step's size.
+    if current_platform().use_few_row_kernel(dtype, mesh is not None, batch_invariant):
+        enable_few_row_kernel(model)
+    release_freed_memory()
+    return model
+
+
+def max_spec_step_tokens(speculative: SpeculativeConfig | None,
+                         scheduler: SchedulerConfig) -> int:
+    """The most tokens a step verifying proposals takes (0 without speculation): every
+    sequence it may run for decoding, each with k proposals."""
+    if speculative is None:
+        return 0
+    seqs = min(scheduler.max_num_seqs, speculative.disable_by_batch_size or scheduler.max_num_seqs)
+    return min(scheduler.max_num_batched_tokens, seqs * (speculative.num_speculative_tokens + 1))
+
+
+def build_runner(model: nnx.Module, cache_config: CacheConfig, num_blocks: int,
+                 kv_cache_dtype: str, scheduler: SchedulerConfig, cache_dir,
+                 batch_invariant: bool, precompile: bool | list[int] | tuple,
+                 spec_tokens: int) -> ModelRunner:
+    """The model's runner over a pool of `num_blocks` blocks, its step floor set for batch
+    invariance (`Platform.batch_invariant_min_step_tokens`), and its step shapes compiled:
+    every shape the limits allow (`precompile=True`, with a progress bar), those of the listed
+    step sizes alone, quietly, or none."""
+    platform = current_platform()
+    runner = ModelRunner(model, cache_config, num_blocks, kv_cache_dtype,
+                         max_num_seqs=scheduler.max_num_seqs,
+                         max_model_len=scheduler.max_model_len,
+                         compilation_cache_dir=cache_dir,
+                         min_seq_slots=(platform.batch_invariant_min_seq_slots
+                                        if batch_invariant else 1))
+    if batch_invariant:
+        runner.min_step_tokens = platform.batch_invariant_min_step_tokens(
+            runner, runner.backend.name)
+    shapes = runner.step_shapes(scheduler.max_num_batched_tokens)
+    if isinstance(precompile, (list, tuple)):  # those step sizes alone, quietly
+        wanted = {runner.step_tokens(n) for n in precompile}
+        runner.precompile([(T, v) for T, v in shapes if T in wanted], progress=False,
+                          sampler_variants=False)
+    elif precompile:
+        runner.precompile(shapes, spec_tokens=spec_tokens)
+    return runner
+
+
+def make_backend(execution: ExecutionConfig, kv_cache_dtype: str, mesh):
+    """The attention backend (`pallas_kernels.make_attention_backend`) the platform picks for
+    `execution.attention_backend` ("auto" resolved; batch-invariant mode's where it is on),
+    and whether to precompile (`execution.precompile`; None: yes, except on interpreted
+    kernels, which take minutes a shape).
+
+    Raises:
+      ValueError: a backend the platform cannot run, or batch invariance where it has none.
+    """
+    platform = current_platform()
+    name = (platform.batch_invariant_backend(execution.attention_backend)
+            if execution.batch_invariant
+            else platform.attention_backend(execution.attention_backend))
+    backend = make_attention_backend(name, code_dtype(kv_cache_dtype), mesh,
+                                     batch_invariant=execution.batch_invariant)
+    precompile = execution.precompile
+    if precompile is None:
+        precompile = not backend.name.endswith("-interpret")
+    return backend, precompile
+
+
+def size_pool(cache_config: CacheConfig, model_config: ModelConfig, kv_cache_dtype: str,
+              max_model_len: int) -> tuple[CacheConfig, int]:
+    """The cache config in force (prefix caching off for a RoPE that switches with the
+    length) and the pool's number of blocks (`kv_cache.num_kv_blocks`).
+
+    Raises:
+      ValueError: the pool cannot hold one sequence of `max_model_len` tokens.
+    """
+    if cache_config.enable_prefix_caching and model_config.rope_switch_length:
+        # A block's K/V then depends on its sequence's length (longrope rotates with the
+        # long factors once a sequence passes the original length), not on its tokens alone.
+        logger.warning("prefix caching is off: this model's RoPE (longrope) makes cached "
+                       "blocks depend on the length of the sequence that computed them")
+        cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
+    num_blocks = num_kv_blocks(model_config, cache_config, kv_cache_dtype)
+    if num_blocks * cache_config.block_size < max_model_len:
+        raise ValueError(
+            f"the KV pool holds {num_blocks} blocks of {cache_config.block_size} tokens, "
+            f"fewer than max_model_len={max_model_len}: raise num_kv_blocks / "
+            "kv_cache_memory_bytes or lower max_model_len")
+    return cache_config, num_blocks
