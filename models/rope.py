@@ -184,8 +184,7 @@ def _rope_dict(d: Mapping[str, Any], layer_type: str | None) -> tuple[Mapping, b
     if not isinstance(rope, Mapping):
         raise ValueError(f"rope_scaling / rope_parameters must be a dict, got {rope!r}")
     nested = [k for k, v in rope.items() if isinstance(v, Mapping) or v is None]
-    nested = nested if any(isinstance(rope[k], Mapping) for k in nested) else []
-    if not nested:
+    if not any(isinstance(rope[k], Mapping) for k in nested):
         return rope, False
     if layer_type is None:
         raise ValueError(f"rope parameters are nested by layer type ({nested}); pass layer_type")

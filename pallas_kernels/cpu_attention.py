@@ -130,6 +130,16 @@ def available() -> bool:
     return True
 
 
+def _check_call(sliding_window: int | None, soft_cap: float | None) -> None:
+    """`paged_attention_cpu`'s refusals: a window < 1, a cap <= 0, no kernel built."""
+    if sliding_window is not None and not 1 <= sliding_window < 2 ** 31:
+        raise ValueError(f"sliding_window must be a number of tokens >= 1, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    if not available():
+        raise RuntimeError("the CPU attention kernel is not available (see the log)")
+
+
 def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: jax.Array,
                         layer: jax.Array, query_start_loc: jax.Array, query_lens: jax.Array,
                         context_blocks: jax.Array, context_rows: jax.Array,
@@ -186,12 +196,7 @@ def paged_attention_cpu(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cac
       RuntimeError: `available()` is False. Inconsistent indices (a block outside the pool,
         `query_start_loc` past T) fail the call with a `JaxRuntimeError`.
     """
-    if sliding_window is not None and not 1 <= sliding_window < 2 ** 31:
-        raise ValueError(f"sliding_window must be a number of tokens >= 1, got {sliding_window}")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
-    if not available():
-        raise RuntimeError("the CPU attention kernel is not available (see the log)")
+    _check_call(sliding_window, soft_cap)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     index = (i32(layer), i32(query_start_loc), i32(query_lens), i32(context_blocks),

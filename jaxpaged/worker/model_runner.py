@@ -32,10 +32,12 @@ from jaxpaged.config import CacheConfig
 from jaxpaged.models import ModelInput, forward
 from jaxpaged.models.loader import flat_params
 from jaxpaged.pallas_kernels import StepLimits, copy_blocks
-from jaxpaged.sample.sampler import SamplingMetadata, num_candidates, prompt_logprobs, sample_jit
+from jaxpaged.sample.sampler import SamplingMetadata, prompt_logprobs, sample_jit
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.worker.input_batch import InputBatch
+from jaxpaged.worker.prompt_logprobs import (collect_prompt_logprobs, score, scored_tokens,
+                                             wants_prompt_logprobs)
 
 logger = logging.getLogger(__name__)
 
@@ -348,8 +350,8 @@ class ModelRunner:
                 logits_indices[first_logit[row]:first_logit[row + 1]] = \
                     np.arange(end - 1 - len(s), end)
         batch = self.prepare(out.seqs, out.num_scheduled_tokens, spec)
-        want = [row for row, seq in enumerate(out.seqs) if self._wants_prompt_logprobs(seq)]
-        scored = self._scored_tokens(out, batch.attention.query_start_loc)
+        want = [row for row, seq in enumerate(out.seqs) if wants_prompt_logprobs(seq)]
+        scored = scored_tokens(out, batch.attention.query_start_loc)
         prompt_lps = {}
         if want or scored:
             logits = self._run_step(batch, all_positions=True)
@@ -358,24 +360,31 @@ class ModelRunner:
                     np.minimum(md.query_start_loc[:-1] + np.maximum(md.query_lens - 1, 0),
                                len(batch.input_ids) - 1))
             if scored:
-                self._score(logits, scored)
+                score(logits, scored, self.config.vocab_size)
             if want:
                 k = max(out.seqs[row].params.prompt_logprobs for row in want)
                 logits, *plp = prompt_logprobs(logits, batch.input_ids, last,
                                                num_logprobs=next_power_of_2(k) if k else 0)
-                prompt_lps = self._collect_prompt_logprobs(out, md.query_start_loc, want,
+                prompt_lps = collect_prompt_logprobs(out, md.query_start_loc, want,
                                                            jax.device_get(plp))
             else:
                 logits = sampler.gather_rows(logits, last)
         else:
             logits = self._run_step(dataclasses.replace(batch, logits_indices=logits_indices))
+        return self._sample_rows(out, logits, spec, first_logit), prompt_lps
+
+    def _sample_rows(self, out: SchedulerOutput, logits: jax.Array, spec: list[list[int]],
+                     first_logit: np.ndarray) -> list[list[SampledToken]]:
+        """Each row's sampled tokens from the step's logits (rows from `first_logit[row]`):
+        `1 + seq.num_forks` draws for a row that completes its tokens, and for a row verifying
+        proposals its draws up to the first that differs from them (`rejection_sample`)."""
         per_row = [[] for _ in out.seqs]
         # (logits row, seq, completion j, proposals before this draw) of each draw.
         samples = [(int(first_logit[row]) + i, seq, j, spec[row][:i])
                    for row, seq in enumerate(out.seqs) if out.completes(row)
                    for j in range(1 + seq.num_forks) for i in range(1 + len(spec[row]))]
         if not samples:
-            return per_row, prompt_lps
+            return per_row
         rows, md = self.prepare_sampling(samples)
         num_logprobs = max((s.params.logprobs or 0) for _, s, _, _ in samples)
         num_logprobs = next_power_of_2(num_logprobs) if num_logprobs else 0
@@ -403,62 +412,7 @@ class ModelRunner:
                    list(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist())))
             token = SampledToken(token_ids[i], logprobs[i], ranks[i], top)
             per_row[row].append(token)
-        return per_row, prompt_lps
-
-    @staticmethod
-    def _scored_tokens(out: SchedulerOutput, query_start_loc: np.ndarray
-                       ) -> list[tuple[Sequence, int, int]]:
-        """(seq, packed token index t, position p) of each token of the step whose logits score
-        its scoring sequence's next token (p + 1 >= `Scoring.start`)."""
-        scored = []
-        for row, (seq, q) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
-            if seq.scoring is None:
-                continue
-            first = seq.num_computed_tokens
-            for p in range(max(first, seq.scoring.start - 1),
-                           min(first + q, seq.num_prompt_tokens - 1)):
-                scored.append((seq, int(query_start_loc[row]) + p - first, p))
-        return scored
-
-    def _score(self, logits: jax.Array, scored: list[tuple[Sequence, int, int]]) -> None:
-        """Fills the scoring sequences' `Scoring.logprobs` from the step's logits at every
-        token f32[T, V] (`sampler.token_logprobs`)."""
-        T = logits.shape[0]
-        targets, top_k = np.zeros((T,), np.int32), np.zeros((T,), np.int32)
-        temperature, top_p = np.ones((T,), np.float32), np.ones((T,), np.float32)
-        for seq, t, p in scored:
-            sc = seq.scoring
-            targets[t] = seq.token_ids[p + 1]
-            temperature[t], top_k[t], top_p[t] = sc.temperature, sc.top_k, sc.top_p
-        C = num_candidates([s.scoring.top_k for s, _, _ in scored],
-                           [s.scoring.top_p for s, _, _ in scored], self.config.vocab_size)
-        values = jax.device_get(sampler.token_logprobs(logits, targets, temperature, top_k,
-                                                       top_p, num_candidates=C))
-        for seq, t, p in scored:
-            seq.scoring.logprobs[p + 1 - seq.scoring.start] = values[t]
-
-    @staticmethod
-    def _wants_prompt_logprobs(seq: Sequence) -> bool:
-        """Whether this step computes the start of a prompt whose request asked for prompt
-        logprobs (only a prompt's first chunk, never chunked, gets them)."""
-        return (seq.num_computed_tokens == 0 and seq.params.prompt_logprobs is not None
-                and seq.num_output_tokens == 0)
-
-    @staticmethod
-    def _collect_prompt_logprobs(out: SchedulerOutput, query_start_loc: np.ndarray,
-                                 rows: list[int], plp) -> dict:
-        target_lp, ranks, top_ids, top_lp = plp
-        collected = {}
-        for row in rows:
-            seq, q = out.seqs[row], out.num_scheduled_tokens[row]
-            k = seq.params.prompt_logprobs
-            tokens = range(query_start_loc[row],
-                           query_start_loc[row] + min(q, seq.num_prompt_tokens) - 1)
-            collected[row] = [
-                (float(target_lp[t]), int(ranks[t]),
-                 list(zip(top_ids[t, :k].tolist(), top_lp[t, :k].tolist())) if k else [])
-                for t in tokens]
-        return collected
+        return per_row
 
     def apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write block copies, padded to a power of two with repeats of the first."""
