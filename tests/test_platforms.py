@@ -97,6 +97,7 @@ def test_envs_defaults_and_overrides(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXPAGED_HOME", str(tmp_path))
     monkeypatch.setenv("JAXPAGED_CPU_KERNEL", "0")
     assert envs.jaxpaged_home() == tmp_path and not envs.cpu_kernel_enabled()
+    monkeypatch.setenv("XLA_FLAGS", "")  # recorded, so the flag added below is undone after
     envs.add_xla_flag("--xla_a=1")
     envs.add_xla_flag("--xla_a=1")
     assert envs.xla_flags() == "--xla_a=1"
