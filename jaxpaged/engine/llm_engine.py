@@ -41,7 +41,6 @@ from jaxpaged.core.sequence import Scoring, Sequence
 logger = logging.getLogger(__name__)
 
 
-
 class LLMEngine:
     """Holds the tokenizer, scheduler, block manager and model runner of one model.
 
