@@ -23,9 +23,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS
 from jaxpaged.pallas_kernels.quantized_matmul import int8_matmul, quantize_int8
 
-QUANTIZATION_METHODS = (None, "int8")
-
-
 def _param(value, spec: tuple) -> nnx.Param:
     with nnx.use_eager_sharding(False):
         return nnx.Param(value, out_sharding=spec)
@@ -39,7 +36,7 @@ class QuantizedLinear(nnx.Module):
     """
 
     def __init__(self, weight: jax.Array, scale: jax.Array, bias, *, spec: tuple,
-                 use_kernel: bool | None):
+                 use_kernel: bool = False):
         self.weight = _param(weight, spec)
         self.scale = _param(scale, spec[:1])
         self.bias = bias
@@ -59,7 +56,7 @@ class QuantizedEmbed(nnx.Module):
     weight: i8[V, D]; scale: f32[V]; split on V over the mesh, as `nnx.Embed` is.
     """
 
-    def __init__(self, weight: jax.Array, scale: jax.Array, dtype, *, use_kernel: bool | None):
+    def __init__(self, weight: jax.Array, scale: jax.Array, dtype, *, use_kernel: bool = False):
         self.weight = _param(weight, (MODEL_AXIS, None))
         self.scale = _param(scale, (MODEL_AXIS,))
         self.dtype = dtype
@@ -82,31 +79,74 @@ def _quantized(w: jax.Array, spec: tuple, mesh):
     return jax.jit(quantize_int8, out_shardings=shardings)(w)
 
 
+class QuantizationMethod:
+    """A weight quantization scheme: how a loaded float layer becomes a quantized one.
+
+    Built once per model as `cls(mesh=..., use_kernel=...)`: `mesh` is the tensor-parallel mesh
+    (None: one device) and `use_kernel` whether the platform's C++ matmul serves this model.
+    `linear` and `embed` return the layer that replaces theirs, or None to keep it. Register a
+    scheme with one line: `QUANTIZATION_METHODS["name"] = MyMethod`.
+    """
+
+    def __init__(self, *, mesh=None, use_kernel: bool = False):
+        self.mesh = mesh
+        self.use_kernel = use_kernel
+
+    def linear(self, layer: nnx.Linear) -> nnx.Module | None:
+        return None
+
+    def embed(self, layer: nnx.Embed) -> nnx.Module | None:
+        return None
+
+
+class Int8WeightOnly(QuantizationMethod):
+    """Symmetric per-output-channel int8 weights (`QuantizedLinear`, `QuantizedEmbed`)."""
+
+    def linear(self, layer: nnx.Linear) -> QuantizedLinear:
+        spec = layer.kernel.get_metadata().get("out_sharding") or (None, None)
+        weight_spec = spec[::-1]  # the kernel f[K, N] transposed
+        weight, scale = _quantized(layer.kernel[...].T, weight_spec, self.mesh)
+        return QuantizedLinear(weight, scale, layer.bias, spec=weight_spec,
+                               use_kernel=self.use_kernel)
+
+    def embed(self, layer: nnx.Embed) -> QuantizedEmbed:
+        weight, scale = _quantized(layer.embedding[...], (MODEL_AXIS, None), self.mesh)
+        return QuantizedEmbed(weight, scale, layer.dtype, use_kernel=self.use_kernel)
+
+
+# The schemes `LLM(quantization=...)` accepts, by name (None: the float weights as loaded).
+QUANTIZATION_METHODS: dict[str, type[QuantizationMethod]] = {"int8": Int8WeightOnly}
+
+
+def check_quantization(method: str | None) -> None:
+    """Raises ValueError unless `method` is None or a registered scheme's name."""
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {method!r} is not one of "
+                         f"{(None, *QUANTIZATION_METHODS)}")
+
+
 def quantize_model(model: nnx.Module, method: str | None, *, embeddings: bool = True,
-                   mesh=None) -> nnx.Module:
+                   mesh=None, use_kernel: bool = False) -> nnx.Module:
     """Replaces `model`'s `nnx.Linear` layers (and with `embeddings` its `nnx.Embed`) by
-    int8 ones, in place, and returns it; the float weights are then free. `method` None: no
-    change.
+    `method`'s quantized ones (`QUANTIZATION_METHODS`), in place, and returns it; the float
+    weights are then free. `method` None: no change. `use_kernel`: the quantized layers run the
+    C++ matmul (one CPU device; the caller asks the platform).
 
     Raises:
       ValueError: an unknown `method`.
     """
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization {method!r} is not one of {QUANTIZATION_METHODS}")
+    check_quantization(method)
     if method is None:
         return model
-    use_kernel = None if mesh is None else False
+    scheme = QUANTIZATION_METHODS[method](mesh=mesh, use_kernel=use_kernel and mesh is None)
     for path, node in list(nnx.iter_graph(model)):
         if isinstance(node, nnx.Linear):
-            spec = node.kernel.get_metadata().get("out_sharding") or (None, None)
-            weight_spec = spec[::-1]  # the kernel f[K, N] transposed
-            weight, scale = _quantized(node.kernel[...].T, weight_spec, mesh)
-            new = QuantizedLinear(weight, scale, node.bias, spec=weight_spec,
-                                  use_kernel=use_kernel)
+            new = scheme.linear(node)
         elif isinstance(node, nnx.Embed) and embeddings:
-            weight, scale = _quantized(node.embedding[...], (MODEL_AXIS, None), mesh)
-            new = QuantizedEmbed(weight, scale, node.dtype, use_kernel=use_kernel)
+            new = scheme.embed(node)
         else:
+            continue
+        if new is None:
             continue
         parent = model
         for key in path[:-1]:

@@ -43,8 +43,6 @@ from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attentio
 from jaxpaged.pallas_kernels.reference import (PAD_SLOT_ID, QuantizedKVCache, dequantize_kv,
                                               paged_attention_xla_packed, quantize_kv, write_kv)
 
-ATTENTION_BACKENDS = ("auto", "cpu", "pallas", "pallas-interpret", "xla")
-
 # The mesh axes (tpu-inference's names): tensor parallelism shards heads, the MLP's hidden
 # units and the vocabulary over MODEL_AXIS; DATA_AXIS is kept for data parallelism (size 1).
 DATA_AXIS, MODEL_AXIS = "data", "model"
@@ -126,6 +124,16 @@ class AttentionBackend:
     writes_kv_per_layer: ClassVar[bool] = True
     # The device mesh of tensor parallelism (`attention` under `shard_map`); None: one device.
     mesh: Mesh | None = None
+
+    @classmethod
+    def create(cls, dtype, batch_invariant: bool) -> AttentionBackend:
+        """The backend for a pool of `dtype` (its codes' dtype for an 8-bit pool). A backend
+        that is batch-invariant only in some mode turns it on with `batch_invariant`.
+
+        Raises:
+          ValueError: this backend cannot run here (naming why).
+        """
+        return cls()
 
     def variants(self, T: int, limits: StepLimits) -> list[bool]:
         """The `decode_only` values a step of T tokens can take (each one compiled shape)."""
@@ -292,6 +300,14 @@ class CpuBackend(AttentionBackend):
 
     name = "cpu"
 
+    @classmethod
+    def create(cls, dtype, batch_invariant: bool) -> CpuBackend:
+        if not cpu_attention.available():
+            raise ValueError("attention_backend 'cpu' needs the C++ kernel, which could not be "
+                             "built here (see the log); use 'xla'")
+        return cls(float32=jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16),
+                   invariant=batch_invariant)
+
     def __init__(self, float32: bool = True, invariant: bool = False):
         self.float32 = float32
         self.invariant = invariant  # the kernel's batch-invariant order (`paged_attention_cpu`)
@@ -346,30 +362,30 @@ class CpuBackend(AttentionBackend):
         return out.astype(q.dtype), kv_cache, (k, v)
 
 
+# The backends `attention_backend=` names ("auto" is the platform's choice among them, resolved
+# before `make_attention_backend`). Register one with one line: `ATTENTION_BACKENDS[name] = cls`.
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "cpu": CpuBackend, "pallas": PallasBackend, "pallas-interpret": PallasInterpretBackend,
+    "xla": XlaBackend}
+
+
 def make_attention_backend(name: str, dtype=jnp.float32, mesh: Mesh | None = None,
                            batch_invariant: bool = False) -> AttentionBackend:
-    """The backend for `name` (a name of `ATTENTION_BACKENDS` other than "auto", which the
-    engine's platform resolves: `jaxpaged.platforms`) and the pool's dtype (of its codes for
-    an 8-bit pool); with `mesh`, sharded over its `MODEL_AXIS`; with `batch_invariant`, the
-    C++ kernel in its batch-invariant order (the xla backend is invariant as it is).
+    """The backend registered as `name` (`ATTENTION_BACKENDS`; "auto" is resolved by the
+    engine's platform first: `jaxpaged.platforms`) for the pool's dtype (of its codes for an
+    8-bit pool); with `mesh`, sharded over its `MODEL_AXIS`; with `batch_invariant`, in its
+    batch-invariant mode where it has one (the C++ kernel's order; xla is invariant as it is).
 
     Raises:
       ValueError: an unknown name, "auto" (not resolved), or "cpu" where the C++ kernel
         cannot be built.
     """
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend {name!r} is not one of {ATTENTION_BACKENDS}")
     if name == "auto":
         raise ValueError("attention_backend 'auto' is resolved by the platform first: "
                          "jaxpaged.platforms.current_platform().attention_backend('auto')")
-    if name == "cpu":
-        if not cpu_attention.available():
-            raise ValueError("attention_backend 'cpu' needs the C++ kernel, which could not be "
-                             "built here (see the log); use 'xla'")
-        backend = CpuBackend(float32=jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16),
-                             invariant=batch_invariant)
-    else:
-        backend = {"xla": XlaBackend, "pallas": PallasBackend,
-                   "pallas-interpret": PallasInterpretBackend}[name]()
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend {name!r} is not one of "
+                         f"{('auto', *ATTENTION_BACKENDS)}")
+    backend = ATTENTION_BACKENDS[name].create(dtype, batch_invariant)
     backend.mesh = mesh
     return backend

@@ -25,12 +25,13 @@ MIN_ROWS = 2  # one row: XLA's GEMV is as fast
 
 def fits(x: jax.Array, w: jax.Array, transposed: bool = False) -> bool:
     """Whether `x @ w` (`x @ w.T` when `transposed`) runs on the kernel: x f32[..., K] of
-    2..MAX_ROWS rows in all, w f32 2-D with N (its output size) a multiple of 64."""
+    2..MAX_ROWS rows in all, w f32 2-D with N (its output size) a multiple of 64, and the C++
+    kernels built. Whether the backend is a CPU is the caller's question (the engine's
+    platform turns the layers' `few_row_kernel` on)."""
     rows = math.prod(x.shape[:-1])
     n = w.shape[0] if transposed else w.shape[-1]
     return (MIN_ROWS <= rows <= MAX_ROWS and w.ndim == 2 and n % 64 == 0
-            and x.dtype == jnp.float32 and w.dtype == jnp.float32
-            and jax.default_backend() == "cpu" and cpu_attention.available())
+            and x.dtype == jnp.float32 and w.dtype == jnp.float32 and cpu_attention.available())
 
 
 def few_row_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:

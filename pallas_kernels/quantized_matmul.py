@@ -4,7 +4,8 @@ A quantized linear layer (`models.quantization`) keeps `w: i8[N, K]` (output row
 features, Hugging Face's layout) and `scale: f32[N]` (symmetric, per output channel:
 `w_float[n] ~= w[n] * scale[n]`). On CPU the C++ kernel (`csrc/int8_matmul_cpu.cc`) widens the
 weights in registers, so a step reads int8; elsewhere (GPU, or no C++ compiler) the jnp
-reference runs, whose convert XLA fuses into the dot on GPU.
+reference runs, whose convert XLA fuses into the dot on GPU. The caller chooses (`use_kernel`):
+the kernels do not look at the backend themselves.
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ def quantize_int8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 @functools.partial(jax.jit, static_argnames=("use_kernel",))
 def int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *,
-                use_kernel: bool | None = None) -> jax.Array:
-    """`int8_matmul_reference(x, w, scale)`, by the C++ kernel on CPU.
+                use_kernel: bool = False) -> jax.Array:
+    """`int8_matmul_reference(x, w, scale)`, by the C++ kernel where `use_kernel`.
 
     Args:
       x: f[..., K] activations (any float dtype; computed in float32).
       w: i8[N, K] weights; scale: f32[N] per-output scales.
-      use_kernel: the C++ kernel (True), the jnp reference (False), or None: the kernel where
-        the default backend is CPU and it is available.
+      use_kernel: the C++ kernel (True: CPU only, where `cpu_attention.available()`; the
+        engine asks its platform, `jaxpaged.platforms`) or the jnp reference (False).
 
     Returns:
       f32[..., N], equal to the reference up to float32 summation order.
@@ -63,8 +64,6 @@ def int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *,
         raise ValueError(f"int8_matmul: expected x f[..., K], w i8[N, K], scale f32[N]; got "
                          f"x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}, "
                          f"scale {scale.dtype}{list(scale.shape)}")
-    if use_kernel is None:
-        use_kernel = jax.default_backend() == "cpu" and cpu_attention.available()
     if not use_kernel:
         return int8_matmul_reference(x, w, scale)
     lead = x.shape[:-1]

@@ -1,5 +1,6 @@
-"""Extension points: a scheduling policy and a speculative proposer are each one class and one
-registration line, written here outside the package, and an engine runs with them."""
+"""Extension points: a scheduling policy, a speculative proposer, an attention backend and a
+quantization scheme are each one class and one registration line, written here outside the
+package, and an engine runs with them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import pytest
 
 from jaxpaged import SamplingParams
 from jaxpaged.core.request_queue import REQUEST_QUEUES, RequestQueue
+from jaxpaged.models.quantization import (QUANTIZATION_METHODS, Int8WeightOnly,
+                                          QuantizedEmbed, QuantizedLinear)
+from jaxpaged.pallas_kernels.backends import ATTENTION_BACKENDS, XlaBackend
 from jaxpaged.spec_decode import PROPOSERS, register_proposer
 
 PROMPTS = [{"prompt_token_ids": ids} for ids in ([5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16])]
@@ -39,9 +43,29 @@ class LastTokenProposer:
         pass
 
 
+class CountingXlaBackend(XlaBackend):
+    """The xla backend, counting the layers it traces."""
+
+    name = "counting-xla"
+    traced = 0
+
+    def _attention(self, *args, **kwargs):
+        type(self).traced += 1
+        return super()._attention(*args, **kwargs)
+
+
+class Int8LinearOnly(Int8WeightOnly):
+    """int8 linear layers; the embedding (and a tied LM head) stays float."""
+
+    def embed(self, layer):
+        return None
+
+
 @pytest.fixture
 def registered(monkeypatch):
     monkeypatch.setitem(REQUEST_QUEUES, "lcfs", LcfsQueue)  # the one line: REQUEST_QUEUES[...] =
+    monkeypatch.setitem(ATTENTION_BACKENDS, "counting-xla", CountingXlaBackend)  # one line
+    monkeypatch.setitem(QUANTIZATION_METHODS, "int8-linear", Int8LinearOnly)  # one line
     register_proposer("last_token", LastTokenProposer)  # the one line
     yield
     del PROPOSERS["last_token"]
@@ -86,3 +110,24 @@ def test_a_registered_proposer_runs(registered, tiny_model_dir, make_llm, refere
 def test_registering_a_method_twice_is_refused(registered):
     with pytest.raises(ValueError, match="'last_token' is registered already"):
         register_proposer("last_token", LastTokenProposer)
+
+
+def test_a_registered_attention_backend_runs(registered, tiny_model_dir, make_llm, reference):
+    llm = make_llm(tiny_model_dir, attention_backend="counting-xla")
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    assert CountingXlaBackend.traced > 0
+
+
+def test_a_registered_quantization_scheme_runs(registered, tiny_model_dir, make_llm):
+    from flax import nnx
+
+    from jaxpaged import LLM
+
+    llm = make_llm(tiny_model_dir, quantization="int8-linear")
+    runner = llm.llm_engine.runner
+    kinds = {type(node) for _, node in nnx.iter_graph(nnx.merge(runner.graphdef, runner.params))}
+    assert QuantizedLinear in kinds and QuantizedEmbed not in kinds, kinds
+    ids = _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert all(len(c[0]) == GREEDY.max_tokens for c in ids)
+    with pytest.raises(ValueError, match="int8-linear"):
+        LLM(tiny_model_dir, quantization="int4")

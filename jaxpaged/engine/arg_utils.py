@@ -16,6 +16,7 @@ option is adding a field here (and reading it where it acts).
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
 import inspect
 import os
@@ -36,6 +37,24 @@ from jaxpaged.spec_decode import SpeculativeConfig
 CLI_GROUPS = {"engine": "engine",
               "processes": "several processes (hosts): one JAX runtime through jax.distributed; "
                            "run the same command on each, with its --process-id"}
+
+
+class _LiveChoices(collections.abc.Collection):
+    """Fixed values, then a registry's names read when asked: a scheme registered after this
+    module was imported is a valid choice too."""
+
+    def __init__(self, fixed: tuple, registry: dict):
+        self.fixed, self.registry = fixed, registry
+
+    def __iter__(self):
+        yield from self.fixed
+        yield from self.registry
+
+    def __contains__(self, value) -> bool:
+        return value in self.fixed or value in self.registry
+
+    def __len__(self) -> int:
+        return len(self.fixed) + len(self.registry)
 
 
 def _option(default, config: str, help: str, *, choices: tuple | None = None,
@@ -96,7 +115,7 @@ class EngineArgs:
     attention_backend: str = _option(
         "auto", "execution.attention_backend", "auto: Pallas on GPU, the C++ kernel on CPU "
         "(xla without a C++ compiler); pallas-interpret runs the kernels interpreted (tests)",
-        choices=ATTENTION_BACKENDS)
+        choices=_LiveChoices(("auto",), ATTENTION_BACKENDS))
     seed: int = _option(0, "model.seed", "seeds the sampling of requests that give no seed")
     precompile: bool | list[int] | None = _option(
         None, "execution.precompile", "compile every step shape at startup so serving compiles "
@@ -123,7 +142,7 @@ class EngineArgs:
     quantization: str | None = _option(
         "auto", "quantization.method", "weight-only int8 for the linear layers and the "
         "embedding (auto: int8 for a GGUF file, else none)", flags=("-q",),
-        choices=("auto",) + QUANTIZATION_METHODS)
+        choices=_LiveChoices(("auto", None), QUANTIZATION_METHODS))
     speculative_config: dict | str | None = _option(
         None, "speculative", "speculative decoding, vLLM's keys as a dict or JSON: "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3} or '

@@ -26,7 +26,7 @@ from jaxpaged.engine.weights import EngineWeights
 from jaxpaged.worker.kv_cache import resolve_kv_cache_dtype
 from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.models import load_config
-from jaxpaged.models.quantization import QUANTIZATION_METHODS
+from jaxpaged.models.quantization import check_quantization
 from jaxpaged.model_loader.tokenizer import eos_token_ids, load_tokenizer
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.distributed.parallel import make_mesh
@@ -64,9 +64,7 @@ class LLMEngine:
         self.model_config = load_config(model_dir).for_tensor_parallel(tensor_parallel_size)
         self.dtype = current_platform().resolve_dtype(config.model.dtype)
         self.quantization = config.quantization.method
-        if self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization {self.quantization!r} is not one of "
-                             f"{QUANTIZATION_METHODS}")
+        check_quantization(self.quantization)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.batch_invariant = config.execution.batch_invariant
         backend, precompile = make_backend(config.execution, self.kv_cache_dtype, self.mesh)

@@ -17,6 +17,7 @@ from jaxpaged.models.layers import enable_few_row_kernel
 from jaxpaged.models.quantization import quantize_model
 from jaxpaged.pallas_kernels import make_attention_backend
 from jaxpaged.platforms import current_platform
+from jaxpaged.platforms.interface import INT8_MATMUL
 from jaxpaged.spec_decode import SpeculativeConfig
 from jaxpaged.worker.kv_cache import code_dtype, num_kv_blocks
 from jaxpaged.worker.model_runner import ModelRunner
@@ -44,7 +45,8 @@ def load_engine_model(model_dir: Path, model_config: ModelConfig, dtype, backend
     one, `gguf_import.write_gguf_metadata`), quantized as `quantization` says
     (`models.quantization`), on the few-row kernel where the platform uses it."""
     model = load_model_from_dir(model_dir, model_config, dtype, backend, mesh)
-    model = quantize_model(model, quantization, mesh=mesh)
+    model = quantize_model(model, quantization, mesh=mesh,
+                           use_kernel=INT8_MATMUL in current_platform().kernels())
     # Steps of a few tokens (verifications) on the few-row kernel; not in batch-invariant
     # mode, whose rows must be computed one way whatever the step's size.
     if current_platform().use_few_row_kernel(dtype, mesh is not None, batch_invariant):
