@@ -103,7 +103,10 @@ def profile_model(name: str, args, peaks: dict) -> list[dict]:
     import jax
 
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.worker.buckets import bucket
+    try:
+        from jaxpaged.worker.buckets import bucket
+    except ImportError:  # a tree from before the subsystem folders (bench/against_commit.py)
+        from jaxpaged.buckets import bucket
 
     model = MODELS[name]
     if model == "synthetic":
@@ -137,11 +140,15 @@ def profile_model(name: str, args, peaks: dict) -> list[dict]:
                 else:
                     raise RuntimeError(f"{len(prompts)} sequences never decoded together")
             timers.reset()
-            totals = []
+            totals, hosts = [], []
             for _ in range(steps):
+                done_steps, done_samples = len(timers.step_s), len(timers.sampler_s)
                 start = time.perf_counter()
                 engine.step()
                 totals.append(time.perf_counter() - start)
+                # this engine step's own host time: its total less its model and sampler calls
+                hosts.append(totals[-1] - sum(timers.step_s[done_steps:])
+                             - sum(timers.sampler_s[done_samples:]))
             for rid in ids:
                 engine.abort_request(rid)
             while engine.has_unfinished_requests():
@@ -155,12 +162,12 @@ def profile_model(name: str, args, peaks: dict) -> list[dict]:
         nbytes, flops = step_cost(config, params_bytes, embed.nbytes, tied, T, S, contexts,
                                   embed.dtype.itemsize)
         step, sampler = float(np.median(timers.step_s)), float(np.median(timers.sampler_s))
-        total = float(np.median(totals))
+        total, host = float(np.median(totals)), float(np.median(hosts))
         bw_s = nbytes / peaks["bandwidth_bytes_per_s"]
         flop_s = flops / peaks["matmul_flops_per_s"]
         rows.append(dict(model=name, dtype=args.dtype, kind=kind, batch=B, tokens=tokens, T=T, logits_rows=S,
                          step_ms=1e3 * step, sampler_ms=1e3 * sampler,
-                         host_ms=1e3 * (total - step - sampler), engine_step_ms=1e3 * total,
+                         host_ms=1e3 * host, engine_step_ms=1e3 * total,
                          weight_read_bound_ms=1e3 * bw_s, flop_bound_ms=1e3 * flop_s,
                          step_over_bound=step / max(bw_s, flop_s),
                          bytes_read=nbytes, flops=flops))

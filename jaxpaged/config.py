@@ -136,6 +136,27 @@ class ReasoningConfig:
     parser: str | None = None  # None, "deepseek_r1" or "qwen3"
 
 
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's names): off unless `enable_lora`."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters on the device at once (one step mixes at most this many)
+    max_lora_rank: int = 16  # the largest rank an adapter may have
+    max_cpu_loras: int | None = None  # adapters held on the host; None: max_loras
+
+    def __post_init__(self):
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be an int >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
+
+
 def check_precompile(precompile) -> None:
     """Raises ValueError unless `precompile` is True, False, None or a list of step sizes."""
     if not (precompile is None or isinstance(precompile, bool) or (
@@ -174,3 +195,4 @@ class EngineConfig:
     quantization: QuantizationConfig
     reasoning: ReasoningConfig
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    lora: LoRAConfig = LoRAConfig()

@@ -60,6 +60,9 @@ class ModelInput:
     # i32[R]: the tokens to return logits at, f32[R, V], in place of each sequence's last
     # (speculative decoding verifies every proposal); None: the last of each.
     logits_indices: jax.Array | None = None
+    # i32[T], only for an engine serving LoRA adapters: each token's adapter slot (0: none;
+    # `models.lora`).
+    lora_slots: jax.Array | None = None
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_cache: jax.Array,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.models.base import DenseBatch, ModelInput
+from jaxpaged.models.lora import project
 from jaxpaged.pallas_kernels import few_row_matmul as few_rows
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS, AttentionBackend, AttentionSpec
 
@@ -113,7 +114,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """Grouped-query attention over the paged pool, as `spec` says (scale, sliding window,
     soft-cap) through `backend`. With `qk_norm`, q and k go through a per-head RMSNorm
-    (weight f[H]) before RoPE (`Qwen3Attention`)."""
+    (weight f[H]) before RoPE (`Qwen3Attention`). `qkv_proj_lora` / `o_proj_lora`: adapter
+    slots (`models.lora`), set by `enable_lora`."""
+
+    qkv_proj_lora = o_proj_lora = None
 
     def __init__(self, config, *, dtype, backend: AttentionBackend, spec: AttentionSpec,
                  rngs: nnx.Rngs, qk_norm: bool = False, unit_offset: bool = False):
@@ -136,7 +140,9 @@ class Attention(nnx.Module):
         T, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
         Ns, Ks = N // self.tp, K // self.tp  # heads per shard
-        qkv = self.qkv_proj(x).reshape(T, self.tp, (Ns + 2 * Ks) * H)  # by shard (module doc)
+        slots = getattr(batch, "lora_slots", None)  # a step's adapters (not a dense forward's)
+        qkv = project(self.qkv_proj, self.qkv_proj_lora, x, slots)
+        qkv = qkv.reshape(T, self.tp, (Ns + 2 * Ks) * H)  # by shard (module doc)
         q, k, v = jnp.split(qkv, [Ns * H, (Ns + Ks) * H], axis=-1)
         q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
         if self.q_norm is not None:
@@ -147,7 +153,8 @@ class Attention(nnx.Module):
             return self.o_proj(out.reshape(T, N * H)), kv_cache, None
         out, kv_cache, new_kv = self.backend.attention(
             q, k, v, kv_cache, layer, batch.attention, self.spec)
-        return self.o_proj(out.reshape(T, N * H)), kv_cache, new_kv
+        out = project(self.o_proj, self.o_proj_lora, out.reshape(T, N * H), slots)
+        return out, kv_cache, new_kv
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, batch: DenseBatch,
@@ -192,7 +199,9 @@ ACTIVATIONS = {  # HF `hidden_act` / `hidden_activation` names
 
 class GatedMLP(nnx.Module):
     """down(act(gate(x)) * up(x)), gate and up as one stacked matrix (`LlamaMLP`,
-    `Gemma2MLP`)."""
+    `Gemma2MLP`); `*_lora`: adapter slots, as `Attention`'s."""
+
+    gate_up_proj_lora = down_proj_lora = None
 
     def __init__(self, config, *, dtype, rngs: nnx.Rngs):
         D, F = config.hidden_size, config.intermediate_size
@@ -202,10 +211,11 @@ class GatedMLP(nnx.Module):
         self.act = ACTIVATIONS[config.hidden_act]
         self.tp = config.tensor_parallel_size
 
-    def __call__(self, x):
-        gate_up = self.gate_up_proj(x)
+    def __call__(self, x, slots: jax.Array | None = None):
+        gate_up = project(self.gate_up_proj, self.gate_up_proj_lora, x, slots)
         gate, up = jnp.split(gate_up.reshape(*x.shape[:-1], self.tp, -1), 2, axis=-1)
-        return self.down_proj((self.act(gate) * up).reshape(gate_up.shape[:-1] + (-1,)))
+        h = (self.act(gate) * up).reshape(gate_up.shape[:-1] + (-1,))
+        return project(self.down_proj, self.down_proj_lora, h, slots)
 
 
 class DecoderLayer(nnx.Module):
@@ -231,9 +241,10 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, kv_cache, layer: int, batch: ModelInput):
         attn, kv_cache, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache,
                                                 layer, batch)
+        slots = getattr(batch, "lora_slots", None)
         if self.pre_feedforward_layernorm is None:
             x = x + attn
-            return x + self.mlp(self.post_attention_layernorm(x)), kv_cache, new_kv
+            return x + self.mlp(self.post_attention_layernorm(x), slots), kv_cache, new_kv
         x = x + self.post_attention_layernorm(attn)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        h = self.mlp(self.pre_feedforward_layernorm(x), slots)
         return x + self.post_feedforward_layernorm(h), kv_cache, new_kv

@@ -5,7 +5,9 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/embeddings`,
 `POST /v1/responses` with `GET`/`DELETE /v1/responses/{id}` (`responses`), `GET /v1/models`,
 `GET /v1/models/{id}`, `GET /health`,
-`GET /version`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`. Errors carry OpenAI's body
+`GET /version`, `GET /metrics`, `POST /tokenize`, `POST /detokenize`, and with
+`allow_runtime_lora_updating` `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+(`server.lora`; a request's `model` may name a LoRA adapter). Errors carry OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`: 400 for invalid input (`param` names the
 field), 401 for a missing or wrong API key on `/v1/*`, 404 for an unknown model or route, 415
 for a body not sent as `application/json`, 500 for a request that a fault in an engine step
@@ -26,7 +28,7 @@ import pydantic
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import jaxpaged
@@ -36,6 +38,7 @@ from jaxpaged.server.metrics import ServerMetrics
 from jaxpaged.server.responses import ResponsesServing
 from jaxpaged.server.responses_protocol import ResponsesRequest
 from jaxpaged.server.errors import APIError, parse_body
+from jaxpaged.server.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from jaxpaged.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -43,12 +46,14 @@ logger = logging.getLogger(__name__)
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               model_root: str | None = None, tool_call_parser: str | None = None,
-              generation_defaults: dict | None = None) -> Starlette:
+              generation_defaults: dict | None = None,
+              allow_runtime_lora_updating: bool = False) -> Starlette:
     """The app serving `engine` as model `model_name`; `/v1/*` needs `api_key` if one is set;
     `tool_call_parser` (a name in `tool_calls.TOOL_CALL_PARSERS`) allows `tool_choice="auto"`;
     `generation_defaults` (`LLM.generation_defaults`) fill the sampling fields a request leaves
     out; the engine's reasoning parser (`LLM(reasoning_parser=...)`) returns chats' thinking as
-    `reasoning_content`.
+    `reasoning_content`; `allow_runtime_lora_updating` adds the routes that load and unload
+    LoRA adapters (vLLM keeps them behind a flag too).
 
     The engine's step loop starts and stops with the app (its lifespan).
     """
@@ -70,6 +75,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         Route("/metrics", h.prometheus, methods=["GET"]),
         Route("/tokenize", h.tokenize, methods=["POST"]),
         Route("/detokenize", h.detokenize, methods=["POST"]),
+        *([Route("/v1/load_lora_adapter", h.load_lora_adapter, methods=["POST"]),
+           Route("/v1/unload_lora_adapter", h.unload_lora_adapter, methods=["POST"])]
+          if allow_runtime_lora_updating else []),
     ]
 
     @contextlib.asynccontextmanager
@@ -124,19 +132,29 @@ class _Handlers:
         req = await _parse(request, api.EmbeddingRequest)
         return await _respond(request, self.serving.create_embedding(req))
 
-    def _card(self) -> api.ModelCard:
-        return api.ModelCard(id=self.model_name, root=self.model_root,
-                             max_model_len=self.engine.max_model_len)
+    def _cards(self) -> list[api.ModelCard]:
+        return [api.ModelCard(id=self.model_name, root=self.model_root,
+                              max_model_len=self.engine.max_model_len),
+                *self.serving.lora.cards()]
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(api.ModelList(data=[self._card()]).model_dump())
+        return JSONResponse(api.ModelList(data=self._cards()).model_dump())
 
     async def model(self, request: Request) -> Response:
-        if request.path_params["model"] != self.model_name:
-            model = request.path_params["model"]
+        model = request.path_params["model"]
+        card = next((c for c in self._cards() if c.id == model), None)
+        if card is None:
             return _error(APIError(f"The model `{model}` does not exist.", 404, "model",
                                    "model_not_found"))
-        return JSONResponse(self._card().model_dump())
+        return JSONResponse(card.model_dump())
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        req = await _parse(request, LoadLoRAAdapterRequest)
+        return PlainTextResponse(await self.serving.lora.load(req))
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        req = await _parse(request, UnloadLoRAAdapterRequest)
+        return PlainTextResponse(await self.serving.lora.unload(req))
 
     async def health(self, request: Request) -> Response:
         if self.engine.dead is not None:
@@ -255,7 +273,8 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
 def run_server(llm: jaxpaged.LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, model_root: str | None = None,
                log_level: str = "info", tool_call_parser: str | None = None,
-               chat_template: str | None = None) -> int:
+               chat_template: str | None = None, allow_runtime_lora_updating: bool = False
+               ) -> int:
     """Serves `llm`'s engine with uvicorn until interrupted (returns 0), or until a fatal fault
     stops the engine or the server cannot start, say on a port in use (returns 1: the exit
     status of `jaxpaged serve`, for a supervisor). `tool_call_parser`: see `build_app`;
@@ -268,7 +287,7 @@ def run_server(llm: jaxpaged.LLM, model_name: str, host: str = "127.0.0.1", port
         llm.get_tokenizer().chat_template = chat_template
     engine = AsyncLLMEngine(llm.llm_engine)
     app = build_app(engine, model_name, api_key, model_root, tool_call_parser,
-                    getattr(llm, "generation_defaults", None))
+                    getattr(llm, "generation_defaults", None), allow_runtime_lora_updating)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     engine.on_dead(lambda: setattr(server, "should_exit", True))
     try:

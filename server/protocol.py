@@ -480,6 +480,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "jaxpaged"
     root: str | None = None
+    parent: str | None = None  # an adapter's base model
     max_model_len: int | None = None
 
 

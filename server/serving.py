@@ -30,6 +30,8 @@ from jaxpaged.server.streams import (Progress, PromptOnly, closing, drop_none_de
 from jaxpaged.server.tool_calls import (TOOL_CALL_PARSERS, NamedFunction, RequiredCalls,
                                         ToolCallStream, parameters_schema)
 from jaxpaged.sample.structured_outputs import StructuredOutputsParams
+from jaxpaged.lora import LoRARequest
+from jaxpaged.server.lora import LoRAServing
 
 
 class OpenAIServing:
@@ -59,10 +61,11 @@ class OpenAIServing:
         # and then the engine cannot hold structured outputs back until the reasoning ends.
         self.think_token_ids = engine.engine.think_token_ids
         self.constraints_after_reasoning = self.think_token_ids is not None
+        self.lora = LoRAServing(engine, model_name)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(f"The model `{model}` does not exist.", 404, "model", "model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter that `model` names, None for the base model; 404 for anything else."""
+        return self.lora.resolve(model)
 
     # -- shared steps -----------------------------------------------------------------------
 
@@ -94,8 +97,8 @@ class OpenAIServing:
             raise APIError(str(e), param="prompt") from e
 
     async def _add(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                   make_params: Callable, param_names: dict[str, str], priority: int = 0
-                   ) -> list[RequestStream]:
+                   make_params: Callable, param_names: dict[str, str], priority: int = 0,
+                   lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """Adds one engine request per prompt; on any error, aborts those already added.
 
         An engine `InvalidRequestError` becomes a 400 whose `param` is the field's name in this
@@ -108,7 +111,7 @@ class OpenAIServing:
                 params = await self.engine.preprocess(make_params, ids)
                 streams.append(await self.engine.add_request(
                     {"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}",
-                    priority))
+                    priority, lora_request))
         except (ValueError, EngineDeadError) as e:
             for stream in streams:
                 stream.close()
@@ -166,7 +169,7 @@ class OpenAIServing:
         Raises:
           APIError: 400 for invalid parameters or prompts, 404 for an unknown model.
         """
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.suffix is not None:
             raise APIError("suffix is not supported", param="suffix")
         # max_tokens 0 scores the prompt (OpenAI's and vLLM's echo-only request): one token is
@@ -193,7 +196,8 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._add(request_id, [p[:2] for p in prompts], make_params,
                                   {"prompt_logprobs": "logprobs",
-                                   "structured_outputs": req.constraint_field}, req.priority)
+                                   "structured_outputs": req.constraint_field}, req.priority,
+                                  lora)
         if prompt_only:
             streams = [PromptOnly(stream) for stream in streams]
         if req.stream:
@@ -282,7 +286,9 @@ class OpenAIServing:
           APIError: 400 for an invalid input or `dimensions` (this model has one size), 404 for
             an unknown model.
         """
-        self.check_model(req.model)
+        if self.check_model(req.model) is not None:
+            raise APIError("embeddings are the base model's: an adapter's are not served",
+                           param="model")
         if req.dimensions is not None:
             raise APIError("dimensions is not supported: this model's embeddings have one size "
                            "(its hidden size)", param="dimensions")
@@ -336,7 +342,7 @@ class OpenAIServing:
         Raises:
           APIError: 400 for invalid parameters or messages, 404 for an unknown model.
         """
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         tool_calls = await self._tool_calls(req)
@@ -360,7 +366,7 @@ class OpenAIServing:
 
         streams = await self._add(request_id, [prompt], make_params, {
             "prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_param,
-            "structured_outputs": req.constraint_field}, req.priority)
+            "structured_outputs": req.constraint_field}, req.priority, lora)
         return streams, tool_calls
 
     def assistant_message(self, c: CompletionOutput,

@@ -18,12 +18,13 @@ class ServerThread:
     """Serves `llm` as `model_name`; `url` is its root, `engine` its `AsyncLLMEngine`."""
 
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, allow_runtime_lora_updating: bool = False):
         self.engine = AsyncLLMEngine(llm.llm_engine)
         self.model_name = model_name
         app = build_app(self.engine, model_name, api_key=api_key,
                         tool_call_parser=tool_call_parser,
-                        generation_defaults=llm.generation_defaults)
+                        generation_defaults=llm.generation_defaults,
+                        allow_runtime_lora_updating=allow_runtime_lora_updating)
         self._socket = socket.socket()
         self._socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"

@@ -97,7 +97,8 @@ def test_compiled_step_copies_neither_the_pool_nor_any_weight(make_llm, tiny_mod
     if backend == "auto" and runner.backend.name != "cpu":
         pytest.skip("no C++ compiler: 'auto' is the 'xla' case")
     batch = runner._padding_batch(8)
-    hlo = runner._step.lower(runner.params, runner.kv_cache.pool, batch).compile().as_text()
+    hlo = runner._step.lower(runner.param_leaves, runner.kv_cache.pool, batch,
+                               False).compile().as_text()
     L, _, K, P, S, H = runner.kv_cache.shape
     pools = {(L, 2, K, P, S, H), (L, 2, K, P * S, H)}
     weights = {tuple(w.shape[-2:]) for w in jax.tree.leaves(runner.params) if w.ndim >= 2}

@@ -43,7 +43,8 @@ def collectives(engine) -> dict:
     """The compiled step's collectives of a 16-token step: op -> list of result shapes."""
     runner = engine.runner
     batch = runner._padding_batch(16)
-    text = runner._step.lower(runner.params, runner.kv_cache.pool, batch, False).compile().as_text()
+    text = runner._step.lower(runner.param_leaves, runner.kv_cache.pool, batch,
+                               False).compile().as_text()
     found = {}
     for op in COLLECTIVES:
         found[op] = [m.group(1) for m in re.finditer(

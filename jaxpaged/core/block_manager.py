@@ -144,7 +144,7 @@ class BlockManager:
         S = self.block_size
         while len(seq.block_hashes) < num_blocks:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if i else None
+            parent = seq.block_hashes[-1] if i else seq.cache_key
             seq.block_hashes.append(hash((parent, tuple(seq.token_ids[i * S:(i + 1) * S]))))
         return seq.block_hashes[:num_blocks]
 
@@ -154,6 +154,8 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.cache_epoch != self.cache_epoch:
             return
         num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks:  # no block became full (most steps)
+            return
         hashes = self._full_block_hashes(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
             block_id = seq.block_table[i]
@@ -165,8 +167,8 @@ class BlockManager:
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         """Whether slots fit for `num_new_tokens` tokens computed past `seq.num_computed_tokens`,
         counting the copies of shared blocks those tokens would be written into."""
-        return (self._num_missing_blocks(seq, num_new_tokens)
-                + len(self._shared_blocks_written(seq, num_new_tokens))) <= self.num_free_blocks
+        missing, shared = self._append_plan(seq, num_new_tokens)
+        return missing + len(shared) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
         """Grows `seq`'s block table to hold `num_computed_tokens + num_new_tokens` tokens.
@@ -177,19 +179,41 @@ class BlockManager:
 
         Returns:
           (src, dst) block ids whose contents the runner must copy before the step.
+
+        Raises:
+          RuntimeError: not enough free blocks (`can_append` is False).
         """
-        if not self.can_append(seq, num_new_tokens):
+        copies = self.try_append_slots(seq, num_new_tokens)
+        if copies is None:
             raise RuntimeError(f"append_slots for {seq}: not enough free blocks")
+        return copies
+
+    def try_append_slots(self, seq: Sequence, num_new_tokens: int = 1
+                         ) -> list[tuple[int, int]] | None:
+        """`append_slots`, or None (changing nothing) where the blocks do not fit."""
+        missing, shared = self._append_plan(seq, num_new_tokens)
+        if missing + len(shared) > self.num_free_blocks:
+            return None
         copies = []
-        for i in self._shared_blocks_written(seq, num_new_tokens):
+        for i in shared:
             src, dst = seq.block_table[i], self._take()
             self.ref_counts[src] -= 1
             seq.block_table[i] = dst
             copies.append((src, dst))
         self.num_cow_copies += len(copies)
-        seq.block_table.extend(self._take()
-                               for _ in range(self._num_missing_blocks(seq, num_new_tokens)))
+        seq.block_table.extend(self._take() for _ in range(missing))
         return copies
+
+    def _append_plan(self, seq: Sequence, num_new_tokens: int) -> tuple[int, list[int]]:
+        """(blocks to add, indices of shared blocks to copy) for `num_new_tokens` more tokens
+        computed past `seq.num_computed_tokens`."""
+        table, computed = seq.block_table, seq.num_computed_tokens
+        needed = -(-(computed + num_new_tokens) // self.block_size)
+        last = min(len(table), needed)
+        ref_counts = self.ref_counts
+        shared = [i for i in range(computed // self.block_size, last)
+                  if ref_counts[table[i]] > 1]
+        return max(0, needed - len(table)), shared
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Makes `child` share every block of `parent` (one more reference each)."""
@@ -199,17 +223,6 @@ class BlockManager:
         child.cache_epoch = parent.cache_epoch
         for block_id in child.block_table:
             self.ref_counts[block_id] += 1
-
-    def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        return max(0, total - len(seq.block_table))
-
-    def _shared_blocks_written(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        """Indices in `seq`'s block table of shared blocks that the new tokens land in."""
-        first = seq.num_computed_tokens // self.block_size
-        last = min(len(seq.block_table),
-                   self.num_blocks_needed(seq.num_computed_tokens + num_new_tokens))
-        return [i for i in range(first, last) if self.ref_counts[seq.block_table[i]] > 1]
 
     def trim(self, seq: Sequence) -> None:
         """Gives back the blocks past those that hold `seq.num_tokens` tokens (slots of rejected

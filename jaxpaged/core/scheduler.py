@@ -110,8 +110,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  padded_tokens: Callable[[int], int] | None = None,
                  eos_token_ids: Collection[int] = frozenset(),
-                 recompute_at: int | None = None):
+                 recompute_at: int | None = None,
+                 admit: Callable[[Sequence, list[Sequence]], bool] | None = None):
         self.config = config
+        self.admit = admit
         self.recompute_at = recompute_at
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -198,7 +200,7 @@ class Scheduler:
                 continue
             decoding = _is_decode(seq)
             decodes_left -= decoding
-            if self._passes_recompute_length(seq):
+            if self.recompute_at is not None and self._passes_recompute_length(seq):
                 self._preempt(seq)
                 out.preempted.append(seq)
                 continue
@@ -208,19 +210,22 @@ class Scheduler:
                 continue
             # Proposals (`jaxpaged.spec_decode`) ride along as far as the budget and the free
             # blocks allow once the later decodes have theirs; cut to fit, never a preemption.
-            spec = seq.spec_token_ids[:max(0, budget - 1 - decodes_left)] if decoding else []
-            seq.spec_token_ids = []
+            spec = []
+            if seq.spec_token_ids:
+                if decoding:
+                    spec = seq.spec_token_ids[:max(0, budget - 1 - decodes_left)]
+                seq.spec_token_ids = []
             while spec and not self._spec_fits(seq, len(spec), decodes_left):
                 spec = spec[:-1]
             q += len(spec)
-            while not self.block_manager.can_append(seq, q):
+            while (copies := self.block_manager.try_append_slots(seq, q)) is None:
                 victim = self.waiting.block_victim(self.running, out.seqs)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                out.blocks_to_copy += self.block_manager.append_slots(seq, q)
+                out.blocks_to_copy += copies
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(q)
                 out.spec_token_ids.append(spec)
@@ -258,6 +263,8 @@ class Scheduler:
             if (seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
                     and seq.num_tokens > budget):
                 break
+            if self.admit is not None and not self.admit(seq, self.running):
+                break
             # Sets num_computed_tokens past a cached prefix.
             if self.block_manager.allocate(seq) is None:
                 break
@@ -286,10 +293,11 @@ class Scheduler:
         trusted) are left as they were.
         """
         num_prompt_tokens, appended = 0, []
+        specs = out.spec_token_ids
         for row, (seq, q) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
-            if seq.request_id in skip_request_ids:
+            if skip_request_ids and seq.request_id in skip_request_ids:
                 continue
-            spec = out.spec_tokens(row)
+            spec = specs[row] if specs else None
             if spec:
                 appended.append((row, self._append_verified(seq, spec, sampled[row])))
                 continue
@@ -297,7 +305,12 @@ class Scheduler:
                                      - seq.num_computed_tokens)
             seq.num_computed_tokens += q
             self.block_manager.cache_full_blocks(seq)
-            if not sampled[row]:  # a prompt chunk with more to come
+            tokens = sampled[row]
+            if not tokens:  # a prompt chunk with more to come
+                continue
+            if len(tokens) == 1 and not seq.num_forks:  # one completion: most rows
+                self._append(seq, tokens[0])
+                appended.append((row, [(seq, tokens[0])]))
                 continue
             # Fork before anything is appended or finished: children copy the parent as it was.
             targets = [seq] + [self._fork_completion(seq, j) for j in range(1, len(sampled[row]))]
@@ -349,15 +362,16 @@ class Scheduler:
     def _check_stop(self, seq: Sequence) -> None:
         """Finishes `seq` if its newest token ends it (token ids and lengths only)."""
         p, token_id = seq.params, seq.token_ids[-1]
-        may_stop = seq.num_output_tokens >= p.min_tokens
+        num_output_tokens = seq.num_output_tokens
+        may_stop = num_output_tokens >= p.min_tokens
         if may_stop and not p.ignore_eos and token_id in self.eos_token_ids:
             self.finish(seq, "stop")
         elif may_stop and token_id in p.stop_token_ids:
             self.finish(seq, "stop", stop_reason=token_id)
         elif seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
             self.finish(seq, "stop")
-        elif (seq.num_output_tokens == p.max_tokens
-              or seq.num_tokens >= self.config.max_model_len):
+        elif (num_output_tokens == p.max_tokens
+              or len(seq.token_ids) >= self.config.max_model_len):
             self.finish(seq, "length")
 
     def _preempt(self, seq: Sequence) -> None:

@@ -80,6 +80,10 @@ class Sequence:
         # Priority scheduling: the request's priority (lower first) and arrival order.
         self.priority = 0
         self.arrival = 0
+        # LoRA: the adapter version it runs under (`lora.manager.LoadedLoRA`, None: the base
+        # model) and its device slot while admitted (0: none).
+        self.lora = None
+        self.lora_slot = 0
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
@@ -97,6 +101,12 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def cache_key(self):
+        """What its prefix-cache hashes start from besides its tokens: its adapter version's
+        uid, so that blocks computed under another adapter (or none) never match."""
+        return None if self.lora is None else ("lora", self.lora.uid)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -109,6 +119,7 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
         child.priority, child.arrival = self.priority, self.arrival
+        child.lora, child.lora_slot = self.lora, self.lora_slot
         child.matcher = None if self.matcher is None else self.matcher.deep_copy()
         return child
 

@@ -82,6 +82,8 @@ REFUSED = {
     "get_params": "the parameters span every process's devices; process 0 alone cannot read "
                   "them (offline, jax.experimental.multihost_utils.process_allgather on every "
                   "process can)",
+    "lora": "LoRA adapters are read and placed in their device slots by one process's host "
+            "code; serve them on one process",
 }
 
 
@@ -136,7 +138,10 @@ class LeaderEngine:
 
     # -- forwarded: host state, run here first ------------------------------------------------
 
-    def add_request(self, prompt, params, request_id=None, priority=0) -> str:
+    def add_request(self, prompt, params, request_id=None, priority=0, lora_request=None
+                    ) -> str:
+        if lora_request is not None:  # the adapter would be loaded on process 0 alone
+            raise MultiProcessUnsupportedError("lora")
         request_id = self._engine.add_request(prompt, params, request_id, priority)
         self._publish("add_request", prompt, params, request_id, priority)
         return request_id

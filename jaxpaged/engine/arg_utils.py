@@ -23,8 +23,8 @@ import os
 import types
 import typing
 
-from jaxpaged.config import (DTYPES, KV_CACHE_DTYPES, CacheConfig,
-                             EngineConfig, ExecutionConfig, ModelLoadConfig, ParallelConfig,
+from jaxpaged.config import (DTYPES, KV_CACHE_DTYPES, CacheConfig, EngineConfig,
+                             ExecutionConfig, LoRAConfig, ModelLoadConfig, ParallelConfig,
                              QuantizationConfig, ReasoningConfig, SchedulerConfig,
                              check_precompile)
 from jaxpaged.models.quantization import QUANTIZATION_METHODS
@@ -35,6 +35,7 @@ from jaxpaged.spec_decode import SpeculativeConfig
 
 # Titles of the CLI's argument groups, by a field's `group`.
 CLI_GROUPS = {"engine": "engine",
+              "lora": "LoRA adapters",
               "processes": "several processes (hosts): one JAX runtime through jax.distributed; "
                            "run the same command on each, with its --process-id"}
 
@@ -155,6 +156,15 @@ class EngineArgs:
         None, "reasoning.parser", "the model thinks in <think>...</think>: structured outputs "
         "constrain only the answer, and the server returns the thinking as reasoning_content",
         choices=(None, *REASONING_PARSERS))
+    enable_lora: bool = _option(False, "lora.enable_lora", "serve LoRA adapters (PEFT "
+                                "folders), one per request", group="lora")
+    max_loras: int = _option(1, "lora.max_loras", "adapters on the device at once; a step "
+                             "mixes at most this many", min=1, group="lora")
+    max_lora_rank: int = _option(16, "lora.max_lora_rank", "the largest adapter rank", min=1,
+                                 group="lora")
+    max_cpu_loras: int | None = _option(None, "lora.max_cpu_loras", "adapters held in host "
+                                        "memory (least recently used dropped); default "
+                                        "max_loras", min=1, group="lora")
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -288,7 +298,8 @@ class EngineArgs:
             execution=ExecutionConfig(**execution),
             quantization=QuantizationConfig(**quantization),
             reasoning=ReasoningConfig(**sections["reasoning"]),
-            speculative=SpeculativeConfig.from_dict(sections["speculative"][""]))  # all of it
+            speculative=SpeculativeConfig.from_dict(sections["speculative"][""]),  # all of it
+            lora=LoRAConfig(**sections["lora"]))
 
 
 def _union(hint) -> tuple:

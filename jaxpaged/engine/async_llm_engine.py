@@ -28,6 +28,7 @@ from typing import TypeVar
 
 from jaxpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.lora import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sample.structured_outputs import StructuredOutputsParams
@@ -114,7 +115,8 @@ class AsyncLLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     async def add_request(self, prompt: str | dict, params: SamplingParams,
-                          request_id: str, priority: int = 0) -> RequestStream:
+                          request_id: str, priority: int = 0,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queues a request; returns the stream of its outputs. Validates before queueing.
 
         Args:
@@ -122,6 +124,7 @@ class AsyncLLMEngine:
             `{"prompt_token_ids": [...], "prompt": optional text}`.
           request_id: unique among unfinished requests.
           priority: lower first, under the engine's "priority" scheduling policy.
+          lora_request: the adapter it runs under (`LLMEngine.add_request`).
 
         Raises:
           InvalidRequestError (a ValueError): the prompt, parameters or request id are invalid,
@@ -142,7 +145,8 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         try:
-            await self.run(self.engine.add_request, prompt, params, request_id, priority)
+            await self.run(self.engine.add_request, prompt, params, request_id, priority,
+                           lora_request)
         except ValueError:
             del self._streams[request_id]
             raise
@@ -152,10 +156,11 @@ class AsyncLLMEngine:
         self._has_work.set()
         return stream
 
-    async def generate(self, prompt: str | dict, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | dict, params: SamplingParams, request_id: str,
+                       lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """`add_request`, then its outputs; leaving the loop early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id)
+        stream = await self.add_request(prompt, params, request_id, lora_request=lora_request)
         try:
             async for output in stream:
                 yield output

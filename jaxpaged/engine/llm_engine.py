@@ -23,6 +23,8 @@ from jaxpaged.engine.setup import (build_runner, load_engine_model, make_backend
                                    max_spec_step_tokens, size_pool)
 from jaxpaged.engine.stats import engine_stats
 from jaxpaged.engine.weights import EngineWeights
+from jaxpaged.lora import LoRAManager, LoRARequest, check_lora_config, resolve_lora
+from jaxpaged.models.lora import lora_sites
 from jaxpaged.worker.kv_cache import resolve_kv_cache_dtype
 from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.models import load_config
@@ -67,6 +69,7 @@ class LLMEngine:
         check_quantization(self.quantization)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.batch_invariant = config.execution.batch_invariant
+        check_lora_config(config)
         backend, precompile = make_backend(config.execution, self.kv_cache_dtype, self.mesh)
         self.attention_backend = backend.name
         cache_config, num_blocks = size_pool(config.cache, self.model_config, self.kv_cache_dtype,
@@ -81,7 +84,7 @@ class LLMEngine:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(load_tokenizer, model_dir)
             model = self._load_model(backend)
-            self.model_cls = type(model)
+            self.model_cls, sites = type(model), lora_sites(model)
             self.runner = build_runner(
                 model, cache_config, num_blocks, self.kv_cache_dtype, self.scheduler_config,
                 cache_dir, self.batch_invariant, precompile,
@@ -96,10 +99,13 @@ class LLMEngine:
             model_dir, self.model_config.eos_token_ids, self.tokenizer)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
+        self.lora = (LoRAManager(config.lora, self.runner, sites, self.model_cls,
+                                 self.model_config) if config.lora.enable_lora else None)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
                                    padded_tokens=self.runner.step_tokens,
                                    eos_token_ids=self.eos_token_ids,
-                                   recompute_at=self.model_config.rope_switch_length)
+                                   recompute_at=self.model_config.rope_switch_length,
+                                   admit=self.lora and self.lora.admit)
         self.executor = FaultIsolatingExecutor(self.runner)
         self.proposer = (None if self.speculative_config is None else make_proposer(
             self.speculative_config, ProposerContext(
@@ -119,20 +125,17 @@ class LLMEngine:
     def _load_model(self, backend) -> nnx.Module:
         """`setup.load_engine_model` with this engine's options."""
         return load_engine_model(self.model_dir, self.model_config, self.dtype, backend,
-                                 self.mesh, self.quantization, self.batch_invariant)
-
-    def _propose(self) -> None:
-        """Sets the proposals of each decoding sequence for the next step
-        (`jaxpaged.spec_decode.set_proposals`)."""
-        set_proposals(self.proposer, self.speculative_config, self.scheduler.running,
-                      len(self.scheduler.waiting), self.scheduler_config.max_model_len)
+                                 self.mesh, self.quantization, self.batch_invariant,
+                                 self.config.lora)
 
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, prompt: str | dict, params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queues a prompt; returns its request id. Validates before queueing anything.
         `priority`: under `scheduling_policy="priority"`, lower runs first (ties by arrival).
+        `lora_request`: the adapter it runs under (read from its folder if not held yet).
 
         Raises:
           InvalidRequestError (a ValueError), naming the field: a bad prompt (see
@@ -140,15 +143,18 @@ class LLMEngine:
           than `max_num_seqs` runs at once; `prompt_logprobs` over a prompt longer than
           `max_num_batched_tokens` (it is computed in one step); a request id in use; an
           invalid `structured_outputs` schema, regex or grammar; a `priority` that is not an
-          int, or not 0 under the "fcfs" policy.
+          int, or not 0 under the "fcfs" policy; an adapter that cannot be read, or any
+          `lora_request` without `enable_lora`.
           RuntimeError: the engine is asleep.
           EngineDeadError: a fatal fault stopped the engine.
         """
         self._check_alive()
         self.processor.check_priority(priority)
         self.weights.check_awake()
+        lora = resolve_lora(self.lora, lora_request)
         request = self.processor.make_request(prompt, params, request_id, priority,
                                               self.requests)
+        request.seqs[0].lora = lora
         self.requests[request.request_id] = request
         self.scheduler.add(request.seqs[0])
         return request.request_id
@@ -201,13 +207,9 @@ class LLMEngine:
           EngineDeadError: a fatal fault (see `jaxpaged.errors`); the engine is unusable.
         """
         self._check_alive()
-        if self.proposer is not None:
-            try:
-                self._propose()
-            except Exception:  # a failed proposal costs its speedup, not the requests
-                logger.exception("speculative proposals failed; this step decodes without")
-                for seq in self.scheduler.running:
-                    seq.spec_token_ids = []
+        if self.proposer is not None:  # each decoding sequence's proposals for this step
+            set_proposals(self.proposer, self.speculative_config, self.scheduler.running,
+                          len(self.scheduler.waiting), self.scheduler_config.max_model_len)
         try:
             out = self.scheduler.schedule()
         except Exception as e:  # its state can no longer be trusted
@@ -248,12 +250,13 @@ class LLMEngine:
             self.proposer.release(self.scheduler.running)
         outputs = []
         for request_id, request in touched.items():
-            if request.finished:
+            finished = request.finished
+            if finished:
                 request.metrics.finished_time = time.time()
             output = request.output()
             if output is not None:
                 outputs.append(output)
-            if request.finished:
+            if finished:
                 del self.requests[request_id]
         return outputs
 

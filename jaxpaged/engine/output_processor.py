@@ -38,8 +38,17 @@ class OutputProcessor:
           appended: (sequence, sampled token) pairs of the row, in order.
           now: the step's end, in seconds since the epoch (the first token's time).
         """
-        request.metrics.first_token_time = request.metrics.first_token_time or now
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
         first = appended[0][0]
+        if (len(appended) == 1 and first.logprobs is None
+                and request.stop_states[first.index] is None):
+            # One token, no logprobs, no stop strings (most rows): its text only.
+            request.detokenizers[first.index].add_token(appended[0][1].token_id)
+            self.num_generation_tokens += 1
+            self._book_metrics(request, first)
+            return
         for seq, _ in appended[1:]:  # completions forked from the first (n > 1)
             if seq is not first:
                 request.seqs.append(seq)

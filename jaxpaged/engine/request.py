@@ -40,6 +40,9 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        if len(self.seqs) == 1:  # most requests (n = 1): no generator
+            seq = self.seqs[0]
+            return seq.is_finished and not seq.num_forks
         return all(s.is_finished and not s.num_forks for s in self.seqs)
 
     def output(self) -> RequestOutput | None:
@@ -50,8 +53,9 @@ class Request:
         finished = self.finished
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        triples = sorted(zip(self.seqs, self.detokenizers, self.stop_states),
-                         key=lambda sdh: sdh[0].index)
+        triples = list(zip(self.seqs, self.detokenizers, self.stop_states))
+        if len(triples) > 1:
+            triples.sort(key=lambda sdh: sdh[0].index)
         if finished and len(triples) > self.params.n:
             triples = sorted(triples, key=lambda sdh: -sdh[0].cumulative_logprob)[:self.params.n]
         completions = []

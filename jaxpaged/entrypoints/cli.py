@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                    help="the model's tool-call syntax (hermes: <tool_call>{json}</tool_call>, "
                    "as Hermes 2 Pro and Qwen2.5 write)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) to serve, each under its name as a "
+                   "request's model (needs --enable-lora)")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file (or the template itself) in place of the "
                    "tokenizer's")
@@ -242,7 +247,14 @@ def _serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     engine_args = _engine_args(args)
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not engine_args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    if engine_args.enable_lora and engine_args.num_processes > 1:
+        raise ValueError("--enable-lora: adapters are served on one process only")
+    loras = [_lora_module(i, spec) for i, spec in enumerate(args.lora_modules)]
     llm = LLM.from_engine_args(engine_args)
+    for lora in loras:
+        llm.add_lora(lora)
     if engine_args.num_processes > 1 and engine_args.process_id > 0:
         try:
             follow(llm.llm_engine)
@@ -259,10 +271,21 @@ def _serve(args: argparse.Namespace) -> int:
                           api_key=args.api_key, model_root=str(model or DEFAULT_MODEL),
                           log_level=args.log_level,
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
-                          else None, chat_template=_chat_template(args.chat_template))
+                          else None, chat_template=_chat_template(args.chat_template),
+                          allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     finally:
         if engine_args.num_processes > 1:
             llm.llm_engine.shutdown()
+
+
+def _lora_module(index: int, spec: str):
+    """`NAME=PATH` of --lora-modules as a `LoRARequest` (ids from 1, in order)."""
+    from jaxpaged.lora import LoRARequest
+
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules: expected NAME=PATH, got {spec!r}")
+    return LoRARequest(name, index + 1, path)
 
 
 def _one_shot_pool(engine_args, num_seqs: int) -> int:

@@ -15,6 +15,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxpaged.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from jaxpaged.lora import LoRARequest
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.errors import InvalidRequestError, RequestFailedError
 from jaxpaged.engine.llm_engine import LLMEngine
@@ -95,7 +96,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: SequenceABC[int] | None = None
+                 use_tqdm: bool = True, priority: SequenceABC[int] | None = None,
+                 lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Generates completions for all prompts, batched, and returns them in input order.
 
@@ -105,6 +107,8 @@ class LLM:
             defaults.
           use_tqdm: show a progress bar.
           priority: one int per prompt (lower first) under `scheduling_policy="priority"`.
+          lora_request: the adapter (`LoRARequest`) all prompts run under, or one per prompt
+            (None: the base model); needs `enable_lora=True`.
 
         Returns:
           One finished `RequestOutput` per prompt. A request that a fault in an engine step was
@@ -133,15 +137,20 @@ class LLM:
         # Tokenize and validate every prompt before queueing any.
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
         tokenized = [self.llm_engine.tokenize_prompt(p) for p in prompts]
         return self._run([{"prompt": text, "prompt_token_ids": ids} for text, ids in tokenized],
-                         params, use_tqdm, priority or [0] * len(prompts))
+                         params, use_tqdm, priority or [0] * len(prompts), loras)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, via the model's chat template.
 
         Args:
@@ -153,6 +162,7 @@ class LLM:
             not parsed; constrain it with `StructuredOutputsParams` to get calls).
           chat_template_kwargs: extra template variables (`{"enable_thinking": False}` for
             Qwen3), as vLLM's `LLM.chat`.
+          lora_request: the adapter the replies come from (see `generate`).
 
         Raises:
           ValueError: an empty conversation, or one the chat template rejects.
@@ -166,18 +176,20 @@ class LLM:
                                                     continue_final_message, tools,
                                                     chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
-    def _run(self, prompts, params, use_tqdm, priorities) -> list[RequestOutput]:
+    def _run(self, prompts, params, use_tqdm, priorities, loras) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
-            for prompt, sp, priority in zip(prompts, params, priorities):
+            for prompt, sp, priority, lora in zip(prompts, params, priorities, loras):
                 # Only the final output is kept: the engine need not build the others.
                 sp = copy.copy(sp)
                 sp.output_kind = RequestOutputKind.FINAL_ONLY
-                request_ids.append(engine.add_request(prompt, sp, priority=priority))
+                request_ids.append(engine.add_request(prompt, sp, priority=priority,
+                                                      lora_request=lora))
             with tqdm(total=len(request_ids), desc="Processed prompts",
                       disable=not use_tqdm) as bar:
                 while len(finished) < len(request_ids):
@@ -226,6 +238,43 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache (for timing cold starts); False while requests run."""
         return self.llm_engine.reset_prefix_cache()
+
+    # -- LoRA adapters (`enable_lora=True`) ------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads the PEFT folder `lora_request.lora_path` as adapter `lora_request.lora_name`
+        (a new version if the name is held: requests running on the old one finish on it).
+
+        Raises:
+          ValueError: LoRA not enabled, or a bad folder, config or tensor (named).
+        """
+        self._loras().add(lora_request)
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forgets an adapter (requests using it finish on it); False if none had the name."""
+        return self._loras().remove(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters held on the host, least recently used first."""
+        return self._loras().list()
+
+    def update_lora(self, lora_name: str, tensors: dict, config: dict | None = None) -> None:
+        """Adapter `lora_name` from arrays in memory, for training loops: `tensors` PEFT-named
+        (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: f[r, in]`,
+        `...lora_B.weight: f[out, r]`), `config` a PEFT config dict (default: the held
+        version's, or `lora_alpha = r`). New requests use it from the next step; nothing
+        compiles. Atomic: on an error the held version keeps serving.
+
+        Raises:
+          ValueError: a name, shape or config field the adapter cannot have (named).
+        """
+        self._loras().update(lora_name, tensors, config)
+
+    def _loras(self):
+        if self.llm_engine.lora is None:
+            raise ValueError("this LLM serves no adapters: build it with enable_lora=True")
+        return self.llm_engine.lora
 
     # -- the research API: log-probabilities out, weights in, memory back ----------------
 

@@ -101,7 +101,8 @@ def _run_prefills(runner, T: int, lengths: list[int]) -> np.ndarray:
         seqs.append((list(range(first_block, first_block + num_blocks)), 0, n))
         start, first_block = start + n, first_block + num_blocks
     rope = np.full((T,), max(lengths), np.int32) if runner.config.rope_switch_length else None
-    batch = ModelInput(ids, positions, runner.backend.build(runner.limits, T, seqs), rope)
+    batch = ModelInput(ids, positions, runner.backend.build(runner.limits, T, seqs), rope,
+                       lora_slots=np.zeros((T,), np.int32) if runner.uses_lora else None)
     return np.asarray(runner._run_step(batch))[:len(lengths)]
 
 

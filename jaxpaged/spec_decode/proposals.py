@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Sequence as SequenceList
 
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.registry import Proposer
+
+logger = logging.getLogger(__name__)
 
 
 def num_proposals(seq: Sequence, k: int, max_model_len: int) -> int:
@@ -28,16 +32,23 @@ def set_proposals(proposer: Proposer, config: SpeculativeConfig, running: Sequen
     """Sets `spec_token_ids` of each running sequence for the next step: none while a request
     waits (`num_waiting`) or a prompt is being computed (speculation steps aside under load,
     and steps that verify proposals only decode), or when more sequences decode than
-    `config.disable_by_batch_size`; else what `proposer` proposes, up to `num_proposals`."""
-    proposer.release(running)  # sequences preempted or aborted since the last step
+    `config.disable_by_batch_size`; else what `proposer` proposes, up to `num_proposals`. A
+    proposer that raises is logged, and the step decodes without proposals."""
     for seq in running:
         seq.spec_token_ids = []
-    decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1
-                and s.num_output_tokens > 0]
-    limit = config.disable_by_batch_size
-    if (not decoding or len(decoding) < len(running) or num_waiting
-            or (limit is not None and len(decoding) > limit)):
+    try:
+        proposer.release(running)  # sequences preempted or aborted since the last step
+        decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1
+                    and s.num_output_tokens > 0]
+        limit = config.disable_by_batch_size
+        if (not decoding or len(decoding) < len(running) or num_waiting
+                or (limit is not None and len(decoding) > limit)):
+            return
+        ks = [num_proposals(seq, config.num_speculative_tokens, max_model_len)
+              for seq in decoding]
+        proposals = proposer.propose(decoding, ks)
+    except Exception:  # a failed proposal costs its speedup, not the requests
+        logger.exception("speculative proposals failed; this step decodes without")
         return
-    ks = [num_proposals(seq, config.num_speculative_tokens, max_model_len) for seq in decoding]
-    for seq, proposal in zip(decoding, proposer.propose(decoding, ks)):
+    for seq, proposal in zip(decoding, proposals):
         seq.spec_token_ids = proposal

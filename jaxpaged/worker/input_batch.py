@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.core.sequence import Sequence, completion_seed
-from jaxpaged.sample.sampler import SamplingMetadata, num_candidates
+from jaxpaged.sample.sampler import TOP_P_CANDIDATES, SamplingMetadata
 from jaxpaged.sample.structured_outputs import allocate_bitmask, fill_bitmask
 from jaxpaged.worker.buckets import next_power_of_2
 
@@ -121,6 +121,8 @@ class InputBatch:
         self.allowed: list[np.ndarray | None] = [None] * max_num_rows
         self.stop_ids: list[np.ndarray | None] = [None] * max_num_rows
         self.prompt_ids: list[np.ndarray | None] = [None] * max_num_rows
+        self._version = 0  # bumped when a row is added or dropped
+        self._static_key, self._static = None, None  # `_static_metadata`'s last rows
 
     @property
     def num_rows(self) -> int:
@@ -132,6 +134,7 @@ class InputBatch:
             row = self.row_of.pop(seq_id, None)
             if row is not None:
                 self.free_rows.append(row)
+                self._version += 1
 
     def _add(self, seq: Sequence, keep: set[int]) -> int:
         if not self.free_rows:  # drop every row the step does not use
@@ -139,6 +142,7 @@ class InputBatch:
         if not self.free_rows:
             raise ValueError(f"a step of more than {self.max_num_rows} sequences")
         row = self.row_of[seq.seq_id] = self.free_rows.pop()
+        self._version += 1  # the rows' parameters changed: `_static_metadata` recomputes
         p = seq.params
         for name in _FLOAT_FIELDS:
             self.f[name][row] = getattr(p, name)
@@ -173,9 +177,10 @@ class InputBatch:
             computed, table = seq.num_computed_tokens, seq.block_table
             lo = (0 if computed < self.num_computed[row]
                   else min(computed // block_size, int(self.num_blocks[row])))
-            table = table[:self.block_tables.shape[1]]
-            self.block_tables[row, lo:len(table)] = table[lo:]
-            self.num_blocks[row], self.num_computed[row] = len(table), computed
+            hi = min(len(table), self.block_tables.shape[1])
+            if lo < hi:  # most decode steps add no block and change none
+                self.block_tables[row, lo:hi] = table[lo:hi]
+            self.num_blocks[row], self.num_computed[row] = hi, computed
             rows[i] = row
         return rows
 
@@ -187,38 +192,58 @@ class InputBatch:
         n, R, V = len(samples), next_power_of_2(len(samples)), self.vocab_size
         rows = np.full((R,), self.max_num_rows, np.int32)
         rows[:n] = [self.row_of[seq.seq_id] for _, seq, _, _ in samples]
-        f = {name: a[rows] for name, a in self.f.items()}
-        top_k, seeds = self.top_k[rows], self.seeds[rows]
+        static = self._static_metadata(rows)
+        seeds = static["seeds"]
         output_index = np.zeros((R,), np.int32)
         output_index[:n] = [seq.num_output_tokens + len(pr) for _, seq, _, pr in samples]
         for i, (_, seq, j, _) in enumerate(samples):
-            if j:
+            if j:  # completion j of a row drawing several (never changes the kept seeds)
+                seeds = seeds.copy() if seeds is static["seeds"] else seeds
                 seed = completion_seed(seq.seed, j)
                 seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
-        params = [seq.params for _, seq, _, _ in samples]
-        use_penalties = bool((f["repetition_penalty"] != 1).any()
-                             or f["frequency_penalty"].any() or f["presence_penalty"].any())
-        bias, counts, prompt_mask = self._dense(samples, rows[:n], R, use_penalties)
+        f, use_penalties = static["f"], static["use_penalties"]
+        bias, counts, prompt_mask = (self._dense(samples, rows[:n], R, use_penalties)
+                                     if static["uses_dense"] else (None, None, None))
         bitmask = None
         if any(seq.matcher is not None for _, seq, _, _ in samples):
             bitmask = allocate_bitmask(R, V)
             for i, (_, seq, _, _) in enumerate(samples):
                 if seq.matcher is not None:
                     fill_bitmask(seq.matcher, bitmask, i)
-        processed = self.processed[rows]
-        greedy = [p.is_greedy for p in params]
         return SamplingMetadata(
-            temperature=f["temperature"], top_k=top_k, top_p=f["top_p"],
-            min_p=f["min_p"] if f["min_p"].any() else None, seeds=seeds,
+            temperature=f["temperature"], top_k=static["top_k"], top_p=f["top_p"],
+            min_p=f["min_p"] if static["use_min_p"] else None, seeds=seeds,
             output_index=output_index, logit_bias=bias, token_bitmask=bitmask,
             output_counts=counts, prompt_mask=prompt_mask,
             repetition_penalty=f["repetition_penalty"] if use_penalties else None,
             frequency_penalty=f["frequency_penalty"] if use_penalties else None,
             presence_penalty=f["presence_penalty"] if use_penalties else None,
-            processed_logprobs=processed if processed.any() else None,
-            num_candidates=num_candidates(
-                [p.top_k for p, g in zip(params, greedy) if not g],
-                [p.top_p for p, g in zip(params, greedy) if not g], V))
+            processed_logprobs=static["processed"], num_candidates=static["num_candidates"])
+
+    def _static_metadata(self, rows: np.ndarray) -> dict:
+        """What a step's metadata takes from its rows' parameters alone: the same while the
+        same rows sample (most decode steps), so kept from the last step until a row changes."""
+        key = (self._version, rows.tobytes())
+        if self._static_key == key:
+            return self._static
+        f = {name: a[rows] for name, a in self.f.items()}
+        top_k, processed = self.top_k[rows], self.processed[rows]
+        # Greedy rows hold top_k 0 and top_p 1 (`_add`): they truncate nothing.
+        truncating = (top_k > 0) & (top_k < self.vocab_size)
+        need = max(int(top_k[truncating].max(initial=0)),
+                   TOP_P_CANDIDATES if (~truncating & (f["top_p"] < 1)).any() else 0)
+        use_penalties = bool((f["repetition_penalty"] != 1).any()
+                             or f["frequency_penalty"].any() or f["presence_penalty"].any())
+        used = [r for r in rows.tolist() if r < self.max_num_rows]
+        uses_dense = use_penalties or any(
+            self.bias[r] is not None or self.allowed[r] is not None
+            or self.stop_ids[r] is not None for r in used)
+        self._static_key, self._static = key, dict(
+            f=f, top_k=top_k, seeds=self.seeds[rows],
+            processed=processed if processed.any() else None, use_min_p=bool(f["min_p"].any()),
+            use_penalties=use_penalties, uses_dense=uses_dense,
+            num_candidates=0 if need == 0 else min(self.vocab_size, next_power_of_2(need)))
+        return self._static
 
     def _dense(self, samples, rows: np.ndarray, R: int, use_penalties: bool):
         """(logit_bias, output_counts, prompt_mask) on the device, or None each where no

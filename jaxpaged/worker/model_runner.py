@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable
 
@@ -31,6 +30,7 @@ from jaxpaged.worker.kv_cache import KVCache, KVCacheSpec
 from jaxpaged.config import CacheConfig
 from jaxpaged.models import ModelInput, forward
 from jaxpaged.models.loader import flat_params
+from jaxpaged.models.lora import LoRA
 from jaxpaged.pallas_kernels import StepLimits, copy_blocks
 from jaxpaged.sample.sampler import SamplingMetadata, prompt_logprobs, sample_jit
 from jaxpaged.core.scheduler import SchedulerOutput
@@ -78,18 +78,28 @@ class ModelRunner:
         self.limits = StepLimits(block_size=self.block_size, num_blocks=num_blocks,
                                  max_seq_slots=bucket(max(max_num_seqs, min_seq_slots)),
                                  max_blocks_per_seq=-(-self.max_model_len // self.block_size))
-        self.graphdef, self.params = nnx.split(model)
-        graphdef = self.graphdef
+        # A model with adapter slots (`models.lora.enable_lora`): every step carries each
+        # token's slot, so its shapes are the same whichever adapters run.
+        self.uses_lora = any(isinstance(node, LoRA) for _, node in nnx.iter_graph(model))
+        self.graphdef, params = nnx.split(model)
         # What `replace_params` checks a new parameter against: path -> (shape, dtype, sharding).
-        self._param_treedef = jax.tree.structure(self.params)
+        self._param_treedef = treedef = jax.tree.structure(params)
+        self.params = params
         self.param_specs = {path: (tuple(x.shape), x.dtype, x.sharding)
                             for path, x in flat_params(self.params).items()}
         self.mesh = self.backend.mesh  # tensor parallelism's, or None: one device
         self.kv_cache = KVCache(KVCacheSpec.for_model(self.config, kv_cache_dtype, num_blocks,
                                                       self.block_size, self.mesh))
+        # The step takes the parameters as their flat list of arrays (`param_leaves`): jax
+        # flattens a list in C++, an `nnx.State` of Variables in Python (a millisecond a step).
+        graphdef = self.graphdef
+
+        def model_step(leaves, kv_cache, batch, all_positions):
+            return forward(graphdef, jax.tree.unflatten(treedef, leaves), kv_cache, batch,
+                           all_positions)
+
         if self.mesh is None:
-            self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
-                                 static_argnums=3)
+            self._step = jax.jit(model_step, donate_argnums=1, static_argnums=3)
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
         else:
             # Explicit shardings: params as the loader laid them out, the pool by KV head, the
@@ -97,9 +107,8 @@ class ModelRunner:
             # device, so each process has the sampled tokens).
             pool = self.kv_cache.spec.sharding
             self.replicated = NamedSharding(self.mesh, P())
-            params = jax.tree.map(lambda x: x.sharding, self.params)
-            self._step = jax.jit(functools.partial(forward, graphdef), donate_argnums=1,
-                                 static_argnums=3,
+            params = [x.sharding for x in self.param_leaves]
+            self._step = jax.jit(model_step, donate_argnums=1, static_argnums=3,
                                  in_shardings=(params, pool, self.replicated),
                                  out_shardings=(self.replicated, pool))
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0, out_shardings=pool)
@@ -133,6 +142,17 @@ class ModelRunner:
         self.input_batch.eos_token_ids = list(ids)
 
     # -- weights and memory (the research API: `LLM.update_params`, `LLM.sleep`) -------------
+
+    @property
+    def params(self) -> nnx.State | None:
+        """The served parameters (`nnx.split(model)`'s state); None once released."""
+        return self._params
+
+    @params.setter
+    def params(self, params: nnx.State | None) -> None:
+        self._params = params
+        # What the step is called with (its key in `_compiled` leaves them out: fixed shapes).
+        self.param_leaves = None if params is None else jax.tree.leaves(params)
 
     def replace_params(self, params) -> None:
         """Serves with `params` from the next step: the same executables (no compilation), each
@@ -191,8 +211,10 @@ class ModelRunner:
         shape it has run."""
         return sum(key[0] is self._step for key in self._compiled)
 
-    @staticmethod
-    def _key(jitted, args: tuple, static_args: tuple, static_kwargs: dict) -> tuple:
+    def _key(self, jitted, args: tuple, static_args: tuple, static_kwargs: dict) -> tuple:
+        # The parameters' shapes never change (`replace_params` checks them): left out.
+        if args and args[0] is self.param_leaves:
+            args = args[1:]
         leaves, treedef = jax.tree.flatten(args)
         return (jitted, treedef, tuple(np.shape(x) for x in leaves), static_args,
                 tuple(sorted(static_kwargs.items())))
@@ -221,7 +243,7 @@ class ModelRunner:
 
     def _run_step(self, batch: ModelInput, all_positions: bool = False) -> jax.Array:
         """Runs the model step on `batch` and keeps the updated pool; returns the logits."""
-        args = (self.params, self.kv_cache.pool, batch)
+        args = (self.param_leaves, self.kv_cache.pool, batch)
         logits, self.kv_cache.pool = self._executable(self._step, args, all_positions)(*args)
         return logits
 
@@ -276,7 +298,7 @@ class ModelRunner:
             self.config.vocab_size,
             pow2s(1, next_power_of_2(max(self.max_num_seqs, spec_tokens))),
             None if self.mesh is None else self.replicated) if sampler_variants else []
-        jobs = ([(self._step, (self.params, self.kv_cache.pool, b), (False,), {})
+        jobs = ([(self._step, (self.param_leaves, self.kv_cache.pool, b), (False,), {})
                  for _, b in batches]
                 + [(sample_jit, (logits, md), (), dict(all_greedy=g, num_logprobs=0))
                    for logits, md, g in draws])
@@ -304,7 +326,8 @@ class ModelRunner:
         """A padding-only step of T tokens (see `step_shapes`): it writes nothing."""
         zeros = np.zeros((T,), np.int32)
         return ModelInput(zeros, zeros, self.backend.build(self.limits, T, [], decode_only),
-                          rope_seq_lens=zeros if self.config.rope_switch_length else None)
+                          rope_seq_lens=zeros if self.config.rope_switch_length else None,
+                          lora_slots=zeros if self.uses_lora else None)
 
     def probe(self) -> None:
         """Runs the smallest padding-only step and a greedy draw from its first logits row,
@@ -379,10 +402,21 @@ class ModelRunner:
         `1 + seq.num_forks` draws for a row that completes its tokens, and for a row verifying
         proposals its draws up to the first that differs from them (`rejection_sample`)."""
         per_row = [[] for _ in out.seqs]
-        # (logits row, seq, completion j, proposals before this draw) of each draw.
-        samples = [(int(first_logit[row]) + i, seq, j, spec[row][:i])
-                   for row, seq in enumerate(out.seqs) if out.completes(row)
-                   for j in range(1 + seq.num_forks) for i in range(1 + len(spec[row]))]
+        first = first_logit.tolist()
+        # (logits row, seq, completion j, proposals before this draw) of each draw, and its row.
+        samples, row_of = [], []
+        for row, (seq, q, proposals) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
+                                                       spec)):
+            if seq.num_computed_tokens + q - len(proposals) != len(seq.token_ids):
+                continue  # a prompt chunk with more to come samples nothing (`completes`)
+            if not proposals and not seq.num_forks:  # one draw: most rows
+                samples.append((first[row], seq, 0, ()))
+                row_of.append(row)
+                continue
+            for j in range(1 + seq.num_forks):
+                for i in range(1 + len(proposals)):
+                    samples.append((first[row] + i, seq, j, proposals[:i]))
+                    row_of.append(row)
         if not samples:
             return per_row
         rows, md = self.prepare_sampling(samples)
@@ -398,20 +432,19 @@ class ModelRunner:
             all_greedy=all(s.params.is_greedy and s.params.logprobs_mode == "raw"
                            for _, s, _, _ in samples),
             num_logprobs=num_logprobs))
-        row_of = np.searchsorted(first_logit, [r for r, _, _, _ in samples], side="right") - 1
         # Of a row verifying proposals, its draws up to the first that differs from them.
-        output = rejection_sample(res.token_ids[:len(samples)], row_of,
-                                  [len(before) for _, _, _, before in samples], spec).tolist()
+        output = (rejection_sample(res.token_ids[:len(samples)], np.asarray(row_of),
+                                   [len(before) for _, _, _, before in samples], spec).tolist()
+                  if any(spec) else None)
         token_ids, logprobs, ranks = (x.tolist() for x in (res.token_ids, res.logprobs,
                                                            res.ranks))
-        for i, ((_, seq, _, _), row) in enumerate(zip(samples, row_of.tolist())):
-            if not output[i]:
+        for i, ((_, seq, _, _), row) in enumerate(zip(samples, row_of)):
+            if output is not None and not output[i]:
                 continue
             k = seq.params.logprobs
             top = (None if k is None else [] if k == 0 else
                    list(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist())))
-            token = SampledToken(token_ids[i], logprobs[i], ranks[i], top)
-            per_row[row].append(token)
+            per_row[row].append(SampledToken(token_ids[i], logprobs[i], ranks[i], top))
         return per_row
 
     def apply_copies(self, copies: list[tuple[int, int]]) -> None:
@@ -453,7 +486,12 @@ class ModelRunner:
                 np.fromiter((seq.num_tokens for seq in seqs), np.int32, len(seqs)), q)
         md = self.backend.build_from_arrays(self.limits, T, self.input_batch.block_tables[rows],
                                             computed, q)
-        return ModelInput(input_ids, positions, md, rope_seq_lens)
+        lora_slots = None
+        if self.uses_lora:
+            lora_slots = np.zeros((T,), np.int32)
+            lora_slots[:total] = np.repeat(
+                np.fromiter((seq.lora_slot for seq in seqs), np.int32, len(seqs)), q)
+        return ModelInput(input_ids, positions, md, rope_seq_lens, lora_slots=lora_slots)
 
     def prepare_sampling(self, samples: list[tuple[int, Sequence, int, list[int]]]
                          ) -> tuple[np.ndarray, SamplingMetadata]:
