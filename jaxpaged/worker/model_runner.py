@@ -36,6 +36,7 @@ from jaxpaged.sample.sampler import SamplingMetadata, prompt_logprobs, sample_ji
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.worker.input_batch import InputBatch
+from jaxpaged.worker.params import placed_params
 from jaxpaged.worker.prompt_logprobs import (collect_prompt_logprobs, score, scored_tokens,
                                              wants_prompt_logprobs)
 
@@ -167,29 +168,8 @@ class ModelRunner:
           ValueError: a parameter missing or extra, or of another shape or dtype (its path
             named); nothing is replaced then.
         """
-        new = flat_params(params)
-        missing = [p for p in self.param_specs if p not in new]
-        extra = [p for p in new if p not in self.param_specs]
-        if missing or extra:
-            raise ValueError("update_params: the parameter tree differs from the engine's:"
-                             + (f" missing {missing[:4]}" if missing else "")
-                             + (f" unknown {extra[:4]}" if extra else ""))
-        for path, (shape, dtype, _) in self.param_specs.items():
-            x = new[path] = new[path] if hasattr(new[path], "dtype") else np.asarray(new[path])
-            if isinstance(x, jax.Array) and x.is_deleted():
-                raise ValueError(f"update_params: parameter {path!r} is a deleted array "
-                                 "(donated to a jitted function?)")
-            if tuple(x.shape) != shape or x.dtype != dtype:
-                raise ValueError(f"update_params: parameter {path!r} is {x.dtype}"
-                                 f"{list(x.shape)}, the engine's is {dtype}{list(shape)}")
-        # Copies, never aliases: the caller may go on to change its NumPy arrays in place, or
-        # donate its jax arrays to its next training step. (On CPU, `device_put` of a NumPy
-        # array can share its memory even with may_alias=False: NumPy leaves are copied first.)
-        placed = [jax.device_put(np.array(x) if isinstance(x, np.ndarray) else x, sharding,
-                                 may_alias=False)
-                  for x, (_, _, sharding) in ((new[path], spec)
-                                              for path, spec in self.param_specs.items())]
-        self.params = jax.tree.unflatten(self._param_treedef, placed)
+        self.params = jax.tree.unflatten(self._param_treedef,
+                                         placed_params(params, self.param_specs))
 
     def release(self, kv_cache: bool = True, params: bool = False) -> None:
         """Lets go of the KV pool (its contents are lost; `KVCache.release`) and, with
