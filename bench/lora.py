@@ -21,8 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
 from report import portable_config  # noqa: E402
+from sharegpt import sample_requests  # noqa: E402
+
+# Off the path again: bench/kernels.py would stand in for the `kernels` package that
+# transformers imports when it finds one.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -69,7 +75,6 @@ def main(argv=None) -> dict:
     from jaxpaged import LLM, LoRARequest, SamplingParams
     from jaxpaged.model_loader.model_store import ensure_default_model
     from safetensors.numpy import load_file
-    from sharegpt import sample_requests
 
     model_dir = ensure_default_model()
     llm_base = LLM(max_model_len=2048, max_num_seqs=args.max_num_seqs)

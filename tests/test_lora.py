@@ -6,6 +6,7 @@ no compilation; a reloaded adapter never reuses its old version's cached blocks;
 than `max_loras` at once all finish; bad folders and requests are refused by name."""
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -381,3 +382,75 @@ print("RESULT", json.dumps(test_lora._mixed(llm, folders)))
     line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, res.stdout[-2000:] + res.stderr[-4000:]
     _check_against(base, folders, json.loads(line.removeprefix("RESULT ")))
+
+
+def test_completion_logprobs_and_beam_search_under_an_adapter(tiny_model_dir, llama_adapters,
+                                                             make_llm):
+    from jaxpaged import BeamSearchParams
+
+    base, folders = llama_adapters
+    llm = make_llm(tiny_model_dir, enable_lora=True, max_loras=2, block_size=8,
+                   num_kv_blocks=256)
+    a1 = LoRARequest("a1", 1, str(folders["a1"]))
+    prompt, completion = PROMPTS[2], [100, 200, 300, 400, 500]
+    got = llm.completion_logprobs([prompt], [completion], lora_request=a1)[0]
+    want, _ = hf_logprobs(base, folders, "a1", prompt, completion)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    best = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=4,
+                           max_tokens=6), lora_request=a1)[0].sequences[0]
+    model = PeftModel.from_pretrained(base, folders["a1"]).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), num_beams=4, do_sample=False,
+                             max_new_tokens=6, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    model.unload()
+    assert best.tokens == out.sequences[0].tolist()
+    assert abs(best.score - float(out.sequences_scores[0])) < 1e-4
+
+
+def test_run_batch_records_each_requests_adapter_and_replay_checks_its_files(
+        tiny_model_dir, llama_adapters, tmp_path, capsys):
+    from jaxpaged.entrypoints import cli
+
+    _, folders = llama_adapters
+    adapter = tmp_path / "a2"
+    shutil.copytree(folders["a2"], adapter)
+    lines = [{"custom_id": name, "method": "POST", "url": "/v1/completions",
+              "body": {"model": name, "prompt": [5, 6, 7, 8], "max_tokens": 5,
+                       "temperature": 0}} for name in ("tiny", "a2")]
+    src, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    engine = ["--batch-invariant", "--no-precompile", "--max-model-len", "128",
+              "--num-kv-blocks", "64", "--served-model-name", "tiny", "--enable-lora"]
+    assert cli.main(["run-batch", "-i", str(src), "-o", str(out), "--model",
+                     str(tiny_model_dir), "--lora-modules", f"a2={adapter}", *engine]) == 0
+    results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    texts = [results[name]["response"]["body"]["choices"][0]["text"] for name in ("tiny", "a2")]
+    assert texts[0] != texts[1]
+    manifest_path = tmp_path / "results.jsonl.manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["request_loras"] == {"a2": "a2"}
+    files = manifest["lora_modules"]["a2"]["files"]
+    assert manifest["lora_modules"]["a2"]["path"] == str(adapter)
+    assert set(files) == {"adapter_config.json", "adapter_model.safetensors"}
+    assert cli.main(["replay", str(manifest_path)]) == 0
+    assert capsys.readouterr().out.strip().endswith("identical 2/2")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1}))
+    assert cli.main(["replay", str(manifest_path)]) == 2
+    assert "adapter 'a2'" in capsys.readouterr().err
+
+
+def test_adapters_are_written_back_after_the_weights_are_read_again(tiny_model_dir,
+                                                                   llama_adapters, make_llm):
+    _, folders = llama_adapters
+    llm = make_llm(tiny_model_dir, enable_lora=True, max_loras=2)
+    a1 = LoRARequest("a1", 1, str(folders["a1"]))
+    prompt = [{"prompt_token_ids": PROMPTS[0]}]
+    before = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=a1)[0].outputs[0]
+    llm.sleep(level=2)  # the weights, adapter slots included, are released and read again
+    llm.wake_up()
+    after = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=a1)[0].outputs[0]
+    assert after.token_ids == before.token_ids
+    base = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+    assert base.token_ids != before.token_ids

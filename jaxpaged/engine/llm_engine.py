@@ -116,7 +116,7 @@ class LLMEngine:
         self.weights = EngineWeights(self.runner, self.block_manager,
                                      lambda: self._load_model(self.runner.backend),
                                      self.model_cls, self.model_config, self.dtype,
-                                     self.quantization)
+                                     self.quantization, self.lora and self.lora.restore_slots)
         self.embedder = Embedder(self.runner.graphdef, self.model_config.hidden_size)
         self.dead: EngineDeadError | None = None  # set by a fatal fault: no step runs after it
         self.num_failed_requests = 0  # requests failed by a fault in a step
@@ -159,8 +159,8 @@ class LLMEngine:
         self.scheduler.add(request.seqs[0])
         return request.request_id
 
-    def add_scoring_request(self, ids: list[int], start: int, params: SamplingParams
-                            ) -> Sequence:
+    def add_scoring_request(self, ids: list[int], start: int, params: SamplingParams,
+                            lora_request: LoRARequest | None = None) -> Sequence:
         """Queues the scoring of `ids[start:]` given the tokens before each (`scoring_prompt`)
         under `params`' temperature, top-k and top-p; returns its sequence, whose
         `scoring.logprobs` are complete once its request has finished. It runs as a prompt
@@ -168,7 +168,8 @@ class LLMEngine:
         draws one token, which is dropped."""
         score = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
                                output_kind=RequestOutputKind.FINAL_ONLY)
-        request_id = self.add_request({"prompt_token_ids": ids}, score)
+        request_id = self.add_request({"prompt_token_ids": ids}, score,
+                                      lora_request=lora_request)
         seq = self.requests[request_id].seqs[0]  # not scheduled before the next step
         # A greedy sample's processed distribution is untruncated (the sampler's greedy rows
         # take the argmax, with no top-k / top-p), and so is a greedy scoring's.

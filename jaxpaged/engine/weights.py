@@ -22,11 +22,14 @@ class EngineWeights:
       load_model: builds the model with its weights from the model folder again (`wake_up`).
       model_cls, model_config, dtype: what `load_weights` maps checkpoint names with.
       quantization: the engine's quantization (None: float weights).
+      on_new_params: called after the parameters were replaced (the LoRA manager writes its
+        adapters back into their slots, `LoRAManager.restore_slots`), or None.
     """
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager,
                  load_model: Callable[[], nnx.Module], model_cls: type, model_config, dtype,
-                 quantization: str | None):
+                 quantization: str | None, on_new_params: Callable[[], None] | None = None):
+        self.on_new_params = on_new_params or (lambda: None)
         self.runner = runner
         self.block_manager = block_manager
         self.load_model = load_model
@@ -51,6 +54,7 @@ class EngineWeights:
         prefix cache, whose K/V the old weights computed. Sequences already running keep the
         K/V they have."""
         self.runner.replace_params(params)
+        self.on_new_params()
         self.block_manager.reset_prefix_cache(force=True)
 
     def load_weights(self, weights) -> None:
@@ -91,6 +95,7 @@ class EngineWeights:
         the model folder unless `update_params` gave new ones meanwhile."""
         if self.runner.params is None:
             self.runner.replace_params(nnx.split(self.load_model())[1])
+            self.on_new_params()
         self.runner.restore_kv_cache()
         self.sleep_level = 0
 

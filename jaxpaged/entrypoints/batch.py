@@ -19,7 +19,9 @@ order that the threads decide, and logprobs (rarely, sampled tokens) may differ.
 The manifest (`<output>.manifest.json`): versions (jaxpaged and its git commit when run from
 a checkout, jax, jaxlib, flax, transformers, Python), platform, devices and XLA_FLAGS, every
 engine option, the sha256 of each file of the model folder (the tokenizer's files among them),
-of the input and of the output, each request's effective seed, and the wall time.
+of the input and of the output, each request's effective seed, the LoRA adapters held (their
+folders and files' sha256; `replay` refuses changed files) and which one each request named,
+and the wall time.
 """
 
 from __future__ import annotations
@@ -110,8 +112,10 @@ def _error_line(custom_id, status: int, error) -> dict:
             "error": str(error)}
 
 
-async def _run_line(serving, index: int, line: str, seed: int, seeds: dict) -> dict:
-    """One input line's output line."""
+async def _run_line(serving, index: int, line: str, seed: int, seeds: dict,
+                    loras: dict) -> dict:
+    """One input line's output line; `seeds` and `loras` get its effective seed and the
+    adapter its `model` names (if any), by custom_id."""
     from jaxpaged.server import protocol as api
     from jaxpaged.server.errors import APIError, parse_body
 
@@ -130,6 +134,9 @@ async def _run_line(serving, index: int, line: str, seed: int, seeds: dict) -> d
         if req.seed is None:
             req.seed = seed + index
         seeds[item.custom_id] = req.seed
+        lora = serving.check_model(req.model)
+        if lora is not None:
+            loras[item.custom_id] = lora.lora_name
         response = await getattr(serving, URLS[item.url])(req)
     except APIError as e:
         return _error_line(custom_id, e.status, e)
@@ -147,6 +154,7 @@ async def _run(llm, model_name: str, lines, out, total: int, seed: int, window: 
     serving = OpenAIServing(engine, model_name)
     engine.start()
     seeds: dict[str, int] = {}
+    loras: dict[str, str] = {}
     pending: collections.deque = collections.deque()
     counts = collections.Counter()
 
@@ -162,7 +170,7 @@ async def _run(llm, model_name: str, lines, out, total: int, seed: int, window: 
                     bar.update()
                     continue
                 pending.append(asyncio.ensure_future(_run_line(serving, index, line, seed,
-                                                               seeds)))
+                                                               seeds, loras)))
                 while len(pending) >= window:
                     write(await pending.popleft())
             while pending:
@@ -171,7 +179,8 @@ async def _run(llm, model_name: str, lines, out, total: int, seed: int, window: 
             for task in pending:
                 task.cancel()
             await engine.shutdown()
-    return {"seeds": seeds, "num_ok": counts["ok"], "num_errors": counts["error"]}
+    return {"seeds": seeds, "loras": loras, "num_ok": counts["ok"],
+            "num_errors": counts["error"]}
 
 
 def run_batch(llm, model_name: str, input_path: str | os.PathLike,
@@ -199,7 +208,18 @@ def run_batch(llm, model_name: str, input_path: str | os.PathLike,
         Path(f"{output_path}.manifest.json"), "jaxpaged run-batch", llm, engine_options,
         input_path, output_path, summary["seeds"], time.time() - start, model_name=model_name,
         seed=seed, window=window, num_requests=summary["num_ok"] + summary["num_errors"],
-        num_errors=summary["num_errors"])
+        num_errors=summary["num_errors"], lora_modules=_lora_modules(llm),
+        request_loras=summary["loras"])
+
+
+def _lora_modules(llm) -> dict:
+    """The adapters the engine holds that were read from folders: name -> their folder and
+    its files' sha256 (`jaxpaged.lora.peft.read_peft_folder`)."""
+    manager = llm.llm_engine.lora
+    if manager is None:
+        return {}
+    return {name: {"path": loaded.adapter.source, "files": loaded.adapter.files_sha256}
+            for name, loaded in manager.adapters.items() if loaded.adapter.source}
 
 
 def write_manifest(path: Path, kind: str, llm, engine_options: dict, input_path, output_path,
@@ -283,6 +303,7 @@ def replay(manifest_path: str | os.PathLike, output_path: str | os.PathLike | No
 
     from jaxpaged.engine.arg_utils import EngineArgs
     from jaxpaged.entrypoints.llm import LLM
+    from jaxpaged.lora import LoRARequest
     from jaxpaged.model_loader.model_store import resolve_model
 
     manifest_path = Path(manifest_path)
@@ -307,6 +328,12 @@ def replay(manifest_path: str | os.PathLike, output_path: str | os.PathLike | No
             warnings.warn(f"replaying on other {key}: recorded {manifest[key]}, now {now[key]}",
                           stacklevel=2)
     llm = LLM.from_engine_args(engine_args)
+    for i, (name, module) in enumerate(manifest.get("lora_modules", {}).items()):
+        lora = LoRARequest(name, i + 1, module["path"])
+        llm.add_lora(lora)
+        if llm.llm_engine.lora.adapters[name].adapter.files_sha256 != module["files"]:
+            raise ValueError(f"{module['path']}: adapter {name!r}'s files differ from those "
+                             f"recorded in {manifest_path}; refusing to replay")
     out = Path(output_path or f"{manifest['output']['path']}.replay")
     # Requests keep their recorded seeds: the input with each request's effective seed.
     seeded = out.with_name(out.name + ".input.jsonl")

@@ -68,11 +68,12 @@ class _Search:
 
 
 def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams,
-                on_step=None) -> list[BeamSearchOutput]:
+                on_step=None, lora_request=None) -> list[BeamSearchOutput]:
     """Runs beam search for each prompt (token ids) on an `LLMEngine`, all prompts' beams
     batched in the same steps; returns the W best sequences of each.
 
-    `on_step(engine)` is called after each engine step (tests use it to watch block usage).
+    `on_step(engine)` is called after each engine step (tests use it to watch block usage);
+    `lora_request`: the adapter every beam runs under (`LLMEngine.add_request`).
 
     Raises:
       ValueError: a beam width whose K = (1 + number of EOS ids) * W candidates exceed the
@@ -89,7 +90,7 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams,
     generated = 0  # tokens generated so far (the same for every beam)
     while any(s.beams for s in searches):
         generated += 1
-        candidates = _run_round(engine, searches, sp, on_step)
+        candidates = _run_round(engine, searches, sp, on_step, lora_request)
         for search, cands in zip(searches, candidates):
             if search.beams:
                 _extend(search, cands, generated, K, eos, params)
@@ -100,7 +101,7 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams,
         for score, cum, tokens in search.finished]) for ids, search in zip(prompts, searches)]
 
 
-def _run_round(engine, searches: list[_Search], sp: SamplingParams, on_step
+def _run_round(engine, searches: list[_Search], sp: SamplingParams, on_step, lora_request
                ) -> list[list[tuple[float, int, int]]]:
     """One request per running beam through the engine; each search's candidates
     (accumulated log-probability, beam, token) from its beams' top-K next tokens."""
@@ -108,7 +109,8 @@ def _run_round(engine, searches: list[_Search], sp: SamplingParams, on_step
     try:
         for i, search in enumerate(searches):
             for b, (tokens, _) in enumerate(search.beams):
-                beam_of[engine.add_request({"prompt_token_ids": tokens}, sp)] = (i, b)
+                beam_of[engine.add_request({"prompt_token_ids": tokens}, sp,
+                                           lora_request=lora_request)] = (i, b)
         candidates = [[] for _ in searches]
         pending = set(beam_of)
         while pending:

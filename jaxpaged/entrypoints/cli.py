@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "(<output>.manifest.json)")
     batch.add_argument("--served-model-name", default=None,
                        help="the model name requests give; default: --model as given")
+    batch.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) a request's model may name (needs "
+                       "--enable-lora); recorded with their files' sha256 in the manifest")
     EngineArgs.add_cli_args(batch)
     rep = sub.add_parser("replay", help="run a recorded batch again (its manifest) and compare; "
                          "an engine flag given replaces the recorded option")
@@ -216,7 +220,12 @@ def _run_batch(args: argparse.Namespace) -> int:
     model_name = args.served_model_name or engine_args.model or DEFAULT_MODEL
     if engine_args.model is not None:  # recorded as an absolute folder, for replay from anywhere
         engine_args.model = os.path.abspath(os.path.expanduser(engine_args.model))
+    loras = [_lora_module(i, spec) for i, spec in enumerate(args.lora_modules)]
+    if loras and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     llm = LLM.from_engine_args(engine_args)
+    for lora in loras:
+        llm.add_lora(dataclasses.replace(lora, lora_path=os.path.abspath(lora.lora_path)))
     manifest = run_batch(llm, model_name, os.path.abspath(args.input_file),
                          os.path.abspath(args.output_file), seed=engine_args.seed)
     print(f"{manifest['num_requests']} requests, {manifest['num_errors']} errors; "

@@ -204,12 +204,13 @@ class LLM:
         return [finished[r] for r in request_ids]
 
     def beam_search(self, prompts: PromptType | SequenceABC[PromptType],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+                    params: BeamSearchParams, lora_request: LoRARequest | None = None
+                    ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (matches HF `generate(num_beams=..., do_sample=False)`).
 
         All prompts' beams run batched in the same steps; beams share their common prefix's KV
         blocks through prefix caching. Returns one `BeamSearchOutput` per prompt, its
-        `sequences` best first.
+        `sequences` best first. `lora_request`: the adapter the beams run under.
 
         Raises:
           ValueError: a bad prompt or parameter, or a KV pool too small for all the beams.
@@ -233,7 +234,8 @@ class LLM:
                                  f"the pool has {engine.block_manager.num_blocks}")
         if engine.has_unfinished_requests():
             raise RuntimeError("beam_search needs an idle engine")
-        return beam_search(engine, [ids for _, ids in tokenized], params)
+        return beam_search(engine, [ids for _, ids in tokenized], params,
+                           lora_request=lora_request)
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache (for timing cold starts); False while requests run."""
@@ -280,7 +282,8 @@ class LLM:
 
     def completion_logprobs(self, prompt_token_ids, completion_token_ids,
                             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                            use_tqdm: bool = False) -> list[np.ndarray]:
+                            use_tqdm: bool = False, lora_request: LoRARequest | None = None
+                            ) -> list[np.ndarray]:
         """The log-probability of each completion token given everything before it, teacher
         forced through the paged engine (tunix's `get_per_token_logps`).
 
@@ -300,6 +303,7 @@ class LLM:
           completion_token_ids: a list of lists of ints (one completion: a list of ints).
           temperature, top_k, top_p: as in `SamplingParams` (same ranges).
           use_tqdm: show a progress bar.
+          lora_request: the adapter whose log-probabilities these are (None: the base model).
 
         Returns:
           One f32[len(completion)] NumPy array per completion, in order.
@@ -336,7 +340,8 @@ class LLM:
                       disable=not use_tqdm) as bar:
                 for wave in waves:
                     for i, ids, start in wave:
-                        seqs[i] = engine.add_scoring_request(ids, start, params)
+                        seqs[i] = engine.add_scoring_request(ids, start, params,
+                                                             lora_request)
                     while engine.has_unfinished_requests():
                         for output in engine.step():
                             bar.update(int(output.finished))

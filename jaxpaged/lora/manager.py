@@ -178,6 +178,12 @@ class LoRAManager:
         seq.lora_slot = s + 1
         return True
 
+    def restore_slots(self) -> None:
+        """Writes the held adapters into their slots again, after the engine's parameters were
+        replaced (`update_params`, or weights read again by `wake_up`)."""
+        for s, loaded in enumerate(self.slots):
+            self._write_slot(s + 1, None if loaded is None else loaded.adapter)
+
     def _touch(self, s: int) -> None:
         self._slot_order.remove(s)
         self._slot_order.append(s)
