@@ -240,7 +240,9 @@ def test_two_processes_equal_one(tp_models, tp_results):
 
 def test_a_dead_process_is_a_clear_error_on_the_other(tp_models):
     """Process 1 killed mid-generation: process 0 fails with EngineDeadError naming the cause
-    and exits within 60 s (jax's coordination service then aborts the process)."""
+    and exits within 60 s (jax's coordination service then aborts the process). On a loaded
+    machine the service's heartbeat check can abort process 0 first, with its own message
+    naming the dead task: that is a clear error too."""
     procs = _start_processes({"runs": [[str(tp_models["llama-kv2"]), 4]], "forever": True})
     try:
         for p in procs:  # both are generating
@@ -255,8 +257,10 @@ def test_a_dead_process_is_a_clear_error_on_the_other(tp_models):
         output = procs[0].communicate(timeout=90)[0]
         assert time.monotonic() - killed < 60
         assert procs[0].returncode != 0
-        assert "EngineDeadError: a step across 2 processes failed (another process may have " \
-            "died)" in output, output[-5000:]
+        ours = ("EngineDeadError: a step across 2 processes failed (another process may have "
+                "died)")
+        jax_first = "tasks are unhealthy (stopped sending heartbeats): 1"
+        assert ours in output or jax_first in output, output[-5000:]
     finally:
         for p in procs:
             p.kill()
