@@ -319,6 +319,13 @@ def load_weights(model_cls: type[nnx.Module], model_dir: str | Path, config, dty
     return nnx.merge(plan.graphdef, state)
 
 
+def repeat_kv_heads(x: np.ndarray, replicas: int, head_dim: int) -> np.ndarray:
+    """x: f[..., K * head_dim] with each of its K heads `replicas` times in a row, as tensor
+    parallelism lays out a KV part it repeats (`LlamaConfig.for_tensor_parallel`)."""
+    heads = x.reshape(*x.shape[:-1], -1, head_dim)
+    return np.repeat(heads, replicas, axis=-2).reshape(*x.shape[:-1], -1)
+
+
 def params_from_hf_weights(model_cls: type[nnx.Module], config, current: dict[str, jax.Array],
                            weights, dtype) -> dict[str, np.ndarray]:
     """The parameters that `(HF name, array)` pairs change, in the engine's layout: vLLM's
@@ -390,8 +397,7 @@ def params_from_hf_weights(model_cls: type[nnx.Module], config, current: dict[st
         blocks = changed[path].reshape(*shape[:-1], tp, sum(local))
         for j, piece in pieces:
             if j in kv_parts:
-                heads = piece.reshape(*piece.shape[:-1], -1, H)
-                piece = np.repeat(heads, replicas, axis=-2).reshape(*piece.shape[:-1], -1)
+                piece = repeat_kv_heads(piece, replicas, H)
             start = sum(local[:j])
             blocks[..., start:start + local[j]] = piece.reshape(*shape[:-1], tp, local[j])
     return changed

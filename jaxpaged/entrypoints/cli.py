@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -220,12 +219,10 @@ def _run_batch(args: argparse.Namespace) -> int:
     model_name = args.served_model_name or engine_args.model or DEFAULT_MODEL
     if engine_args.model is not None:  # recorded as an absolute folder, for replay from anywhere
         engine_args.model = os.path.abspath(os.path.expanduser(engine_args.model))
-    loras = [_lora_module(i, spec) for i, spec in enumerate(args.lora_modules)]
-    if loras and not engine_args.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
+    loras = _lora_modules(args, engine_args)
     llm = LLM.from_engine_args(engine_args)
     for lora in loras:
-        llm.add_lora(dataclasses.replace(lora, lora_path=os.path.abspath(lora.lora_path)))
+        llm.add_lora(lora)
     manifest = run_batch(llm, model_name, os.path.abspath(args.input_file),
                          os.path.abspath(args.output_file), seed=engine_args.seed)
     print(f"{manifest['num_requests']} requests, {manifest['num_errors']} errors; "
@@ -256,11 +253,11 @@ def _serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     engine_args = _engine_args(args)
-    if (args.lora_modules or args.allow_runtime_lora_updating) and not engine_args.enable_lora:
-        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    if args.allow_runtime_lora_updating and not engine_args.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
     if engine_args.enable_lora and engine_args.num_processes > 1:
         raise ValueError("--enable-lora: adapters are served on one process only")
-    loras = [_lora_module(i, spec) for i, spec in enumerate(args.lora_modules)]
+    loras = _lora_modules(args, engine_args)
     llm = LLM.from_engine_args(engine_args)
     for lora in loras:
         llm.add_lora(lora)
@@ -287,14 +284,24 @@ def _serve(args: argparse.Namespace) -> int:
             llm.llm_engine.shutdown()
 
 
-def _lora_module(index: int, spec: str):
-    """`NAME=PATH` of --lora-modules as a `LoRARequest` (ids from 1, in order)."""
+def _lora_modules(args: argparse.Namespace, engine_args) -> list:
+    """--lora-modules' `NAME=PATH`s as `LoRARequest`s (ids from 1, in order; folders made
+    absolute, as a manifest records them).
+
+    Raises:
+      ValueError: a malformed entry, or adapters without --enable-lora.
+    """
     from jaxpaged.lora import LoRARequest
 
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"--lora-modules: expected NAME=PATH, got {spec!r}")
-    return LoRARequest(name, index + 1, path)
+    if args.lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    loras = []
+    for index, spec in enumerate(args.lora_modules):
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: expected NAME=PATH, got {spec!r}")
+        loras.append(LoRARequest(name, index + 1, os.path.abspath(os.path.expanduser(path))))
+    return loras
 
 
 def _one_shot_pool(engine_args, num_seqs: int) -> int:

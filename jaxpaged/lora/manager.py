@@ -26,6 +26,7 @@ import numpy as np
 from jaxpaged.config import LoRAConfig
 from jaxpaged.lora.peft import LoRAAdapter, adapter_from_tensors, read_peft_folder
 from jaxpaged.lora.request import LoRARequest
+from jaxpaged.models.loader import flat_params
 from jaxpaged.models.lora import LoRASite
 
 _uids = itertools.count(1)
@@ -68,14 +69,12 @@ class LoRAManager:
         # each site's A, then its parts' B.
         self._order = [f"{site.path}_lora.lora_{x}" for site in sites
                        for x in ["a", *(f"b.{p}" for p in range(len(site.part_widths)))]]
-        leaf_paths = [".".join(str(k.key) for k in path if hasattr(k, "key"))
-                      for path, _ in jax.tree_util.tree_flatten_with_path(runner.params)[0]]
-        index = {p: i for i, p in enumerate(leaf_paths)}
+        index = {p: i for i, p in enumerate(flat_params(runner.params))}  # leaves' order
         missing = [p for p in self._order if p not in index]
         if missing:
             raise ValueError(f"the model has no adapter slots at {missing[:3]} (enable_lora)")
         self._leaf_index = [index[p] for p in self._order]
-        shardings = tuple(jax.tree.leaves(runner.params)[i].sharding for i in self._leaf_index)
+        shardings = tuple(runner.param_leaves[i].sharding for i in self._leaf_index)
         self._write = jax.jit(_set_slot, donate_argnums=0, out_shardings=shardings)
         self._write_slot(1, None)  # compiled now, so that no adapter load compiles
 
@@ -200,12 +199,12 @@ class LoRAManager:
             values.extend(np.zeros((R, w), np.float32) for w in site.part_widths)
             if bs is not None:
                 values[-len(bs):] = bs
-        leaves = jax.tree.leaves(self.runner.params)
+        leaves = list(self.runner.param_leaves)
         new = self._write(tuple(leaves[i] for i in self._leaf_index),
                           jnp.asarray(slot - 1, jnp.int32), tuple(values))
         for i, x in zip(self._leaf_index, new):
             leaves[i] = x
-        self.runner.params = jax.tree.unflatten(jax.tree.structure(self.runner.params), leaves)
+        self.runner.params = jax.tree.unflatten(self.runner.param_treedef, leaves)
 
 
 def resolve_lora(manager: LoRAManager | None, request: LoRARequest | None):

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from jaxpaged.models.loader import _compile, _match_name
+from jaxpaged.models.loader import _compile, _match_name, repeat_kv_heads
 from jaxpaged.models.lora import LoRASite
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -156,14 +156,17 @@ def adapter_from_tensors(name: str, config: dict, tensors: dict, sites: list[LoR
         path, _, part = match
         site = by_site[path.removesuffix(".kernel")]
         a, b = (np.asarray(ab[x], np.float32) for x in "AB")
-        widths = _checkpoint_widths(site, path, kv_parts, replicas)
+        below = re.sub(r"^layers\.\d+\.", "", path)
+        repeated = kv_parts.get(below, ()) if replicas > 1 else ()
+        # The parts' widths as the checkpoint (and so the adapter) has them: KV heads not yet
+        # repeated for tensor parallelism.
+        widths = tuple(w // replicas if j in repeated else w
+                       for j, w in enumerate(site.part_widths))
         want_out = sum(widths) if part is None else widths[part[0]]
         if a.shape != (rank, site.in_features) or b.shape != (want_out, rank):
             raise ValueError(f"adapter module {module!r}: lora_A {list(a.shape)} and lora_B "
                              f"{list(b.shape)}, expected [{rank}, {site.in_features}] and "
                              f"[{want_out}, {rank}] (r={rank})")
-        below = re.sub(r"^layers\.\d+\.", "", path)
-        repeated = kv_parts.get(below, ()) if replicas > 1 else ()
         if site.path not in weights:
             num_parts = len(site.part_widths)
             weights[site.path] = (np.zeros((site.in_features, num_parts * R), np.float32),
@@ -174,19 +177,9 @@ def adapter_from_tensors(name: str, config: dict, tensors: dict, sites: list[LoR
             offset = starts[j] if part is None else 0  # a fused tensor holds every part
             b_j = b[offset:offset + widths[j]].T * scale  # [r, out_j]
             if j in repeated:  # each KV head as many times as tensor parallelism repeats it
-                heads = b_j.reshape(rank, -1, H)
-                b_j = np.repeat(heads, replicas, axis=1).reshape(rank, -1)
+                b_j = repeat_kv_heads(b_j, replicas, H)
             a_all[:, j * R:j * R + rank] = a.T
             bs[j][:rank] = b_j
     if not weights:
         raise ValueError("adapter has no LoRA weights")
     return LoRAAdapter(name, rank, scale, weights)
-
-
-def _checkpoint_widths(site: LoRASite, path: str, kv_parts: dict, replicas: int
-                       ) -> tuple[int, ...]:
-    """The site's parts' output widths as the checkpoint (and so the adapter) has them:
-    KV heads not yet repeated for tensor parallelism."""
-    below = re.sub(r"^layers\.\d+\.", "", path)
-    repeated = kv_parts.get(below, ()) if replicas > 1 else ()
-    return tuple(w // replicas if j in repeated else w for j, w in enumerate(site.part_widths))

@@ -84,7 +84,7 @@ class ModelRunner:
         self.uses_lora = any(isinstance(node, LoRA) for _, node in nnx.iter_graph(model))
         self.graphdef, params = nnx.split(model)
         # What `replace_params` checks a new parameter against: path -> (shape, dtype, sharding).
-        self._param_treedef = treedef = jax.tree.structure(params)
+        self.param_treedef = treedef = jax.tree.structure(params)
         self.params = params
         self.param_specs = {path: (tuple(x.shape), x.dtype, x.sharding)
                             for path, x in flat_params(self.params).items()}
@@ -168,7 +168,7 @@ class ModelRunner:
           ValueError: a parameter missing or extra, or of another shape or dtype (its path
             named); nothing is replaced then.
         """
-        self.params = jax.tree.unflatten(self._param_treedef,
+        self.params = jax.tree.unflatten(self.param_treedef,
                                          placed_params(params, self.param_specs))
 
     def release(self, kv_cache: bool = True, params: bool = False) -> None:
