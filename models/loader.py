@@ -270,6 +270,17 @@ def assemble(plan: LoadPlan, arrays: dict[str, jax.Array], config, mesh: Mesh, d
              ) -> nnx.State:
     """The model's parameters from its pieces (`read_pieces`, or an orbax restore), each laid out
     by its spec on `mesh`, in one jitted `shard_map` with no communication (module doc)."""
+    leaves = jax.jit(assembler(plan, config, mesh, dtype))(
+        [[arrays[piece.key] for piece in pieces] for _, _, pieces in plan.params.values()])
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(plan.abstract_state),
+                                        leaves)
+
+
+def assembler(plan: LoadPlan, config, mesh: Mesh, dtype):
+    """The traceable function under `assemble`: from each parameter's pieces (a list per
+    parameter of `plan.params`, in its order, pieces in our orientation) to the parameters
+    (a list in the same order), each laid out by its spec on `mesh`. A caller that computes
+    the pieces on the device (`jaxpaged.integrations.tunix_params`) jits both together."""
     replicas, H = config.kv_head_replicas, config.head_dim
     paths = list(plan.params)
     in_specs = [[piece.spec for piece in plan.params[p][2]] for p in paths]
@@ -287,12 +298,8 @@ def assemble(plan: LoadPlan, arrays: dict[str, jax.Array], config, mesh: Mesh, d
                         ).astype(dtype))
         return out
 
-    args = [[arrays[piece.key] for piece in plan.params[p][2]] for p in paths]
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(in_specs,),
-                               out_specs=[plan.params[p][1] for p in paths]))
-    leaves = fn(args)
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(plan.abstract_state),
-                                        leaves)
+    return jax.shard_map(local, mesh=mesh, in_specs=(in_specs,),
+                         out_specs=[plan.params[p][1] for p in paths])
 
 
 def load_weights(model_cls: type[nnx.Module], model_dir: str | Path, config, dtype,
@@ -319,11 +326,12 @@ def load_weights(model_cls: type[nnx.Module], model_dir: str | Path, config, dty
     return nnx.merge(plan.graphdef, state)
 
 
-def repeat_kv_heads(x: np.ndarray, replicas: int, head_dim: int) -> np.ndarray:
+def repeat_kv_heads(x: np.ndarray, replicas: int, head_dim: int, xp=np) -> np.ndarray:
     """x: f[..., K * head_dim] with each of its K heads `replicas` times in a row, as tensor
-    parallelism lays out a KV part it repeats (`LlamaConfig.for_tensor_parallel`)."""
+    parallelism lays out a KV part it repeats (`LlamaConfig.for_tensor_parallel`). `xp`:
+    `numpy`, or `jax.numpy` for a `jax.Array` (under jit)."""
     heads = x.reshape(*x.shape[:-1], -1, head_dim)
-    return np.repeat(heads, replicas, axis=-2).reshape(*x.shape[:-1], -1)
+    return xp.repeat(heads, replicas, axis=-2).reshape(*x.shape[:-1], -1)
 
 
 def params_from_hf_weights(model_cls: type[nnx.Module], config, current: dict[str, jax.Array],

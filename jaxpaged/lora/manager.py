@@ -76,7 +76,18 @@ class LoRAManager:
         self._leaf_index = [index[p] for p in self._order]
         shardings = tuple(runner.param_leaves[i].sharding for i in self._leaf_index)
         self._write = jax.jit(_set_slot, donate_argnums=0, out_shardings=shardings)
-        self._write_slot(1, None)  # compiled now, so that no adapter load compiles
+        # Each slot's index and an empty slot's weights, on the device once: writing a slot
+        # then moves nothing from the host unless the adapter's weights are on the host.
+        self._indices = [jnp.asarray(s, jnp.int32) for s in range(config.max_loras)]
+        R = config.max_lora_rank
+        self._zeros = {site.path: (jnp.zeros((site.in_features, len(site.part_widths) * R)),
+                                   [jnp.zeros((R, w)) for w in site.part_widths])
+                       for site in sites}
+        # Compiled now, for device and host weights, so that no adapter load compiles.
+        self._write_slot(1, None)
+        self._write_slot(1, LoRAAdapter("", 1, 1.0, {
+            path: (np.asarray(a), [np.asarray(b) for b in bs])
+            for path, (a, bs) in self._zeros.items()}))
 
     # -- adapters by name -------------------------------------------------------------------
 
@@ -189,19 +200,14 @@ class LoRAManager:
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Writes `adapter` (None: zeros) into device slot `slot` (1..max_loras)."""
-        R = self.config.max_lora_rank
         values = []
         for site in self.sites:
             a, bs = (adapter.weights.get(site.path) if adapter is not None else None) or (
-                None, None)
-            values.append(np.zeros((site.in_features, len(site.part_widths) * R), np.float32)
-                          if a is None else a)
-            values.extend(np.zeros((R, w), np.float32) for w in site.part_widths)
-            if bs is not None:
-                values[-len(bs):] = bs
+                self._zeros[site.path])
+            values.extend([a, *bs])
         leaves = list(self.runner.param_leaves)
-        new = self._write(tuple(leaves[i] for i in self._leaf_index),
-                          jnp.asarray(slot - 1, jnp.int32), tuple(values))
+        new = self._write(tuple(leaves[i] for i in self._leaf_index), self._indices[slot - 1],
+                          tuple(values))
         for i, x in zip(self._leaf_index, new):
             leaves[i] = x
         self.runner.params = jax.tree.unflatten(self.runner.param_treedef, leaves)

@@ -17,12 +17,15 @@ above `max_lora_rank`, and a target that is not one of the decoder layers' proje
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import re
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
@@ -119,11 +122,24 @@ def check_config(config: dict, max_lora_rank: int) -> tuple[int, float]:
     return rank, float(scale)
 
 
-def adapter_from_tensors(name: str, config: dict, tensors: dict, sites: list[LoRASite],
-                         model_cls, model_config, max_lora_rank: int) -> LoRAAdapter:
-    """The adapter that PEFT-named `tensors` (`...q_proj.lora_A.weight: f[r, in]`,
-    `...lora_B.weight: f[out, r]`, NumPy or jax arrays) and a PEFT `config` describe, in the
-    layout of `sites` (`models.lora.lora_sites`).
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where one PEFT module's A and B (tensors `a_key`, `b_key`) go: `site` (a projection's
+    path), and for each part of it the module fills, (part, first row of that part in B, its
+    width as the adapter has it, whether tensor parallelism repeats its KV heads)."""
+
+    a_key: str
+    b_key: str
+    site: str
+    parts: tuple[tuple[int, int, int, bool], ...]
+
+
+def plan_adapter(config: dict, shapes: dict[str, tuple[int, ...]], sites: list[LoRASite],
+                 model_cls, model_config, max_lora_rank: int
+                 ) -> tuple[int, float, tuple[Target, ...]]:
+    """(rank, scale, targets) of an adapter given its PEFT `config` and its tensors' shapes
+    by PEFT name (`...q_proj.lora_A.weight: [r, in]`, `...lora_B.weight: [out, r]`), in the
+    layout of `sites`; nothing is read but shapes.
 
     Raises:
       ValueError: an unsupported config field, a tensor that names no projection of the
@@ -133,15 +149,14 @@ def adapter_from_tensors(name: str, config: dict, tensors: dict, sites: list[LoR
     by_site = {site.path: site for site in sites}
     patterns = _compile(model_cls.NAME_MAP)
     kernels = {f"{path}.kernel" for path in by_site}
-    pairs: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in tensors.items():
+    pairs: dict[str, dict[str, str]] = {}  # module -> A/B -> tensor name
+    for key, shape in shapes.items():
         m = _TENSOR.match(key)
         if m is None:
             raise ValueError(f"adapter tensor {key!r} is not a LoRA A or B weight")
-        pairs.setdefault(m["module"], {})[m["ab"]] = value
-    R, H, replicas = max_lora_rank, model_config.head_dim, model_config.kv_head_replicas
-    kv_parts = model_cls.KV_HEAD_PARTS
-    weights: dict[str, tuple[np.ndarray, list[np.ndarray]]] = {}
+        pairs.setdefault(m["module"], {})[m["ab"]] = key
+    replicas, kv_parts = model_config.kv_head_replicas, model_cls.KV_HEAD_PARTS
+    targets = []
     for module, ab in sorted(pairs.items()):
         missing = sorted({"A", "B"} - set(ab))
         if missing:
@@ -155,7 +170,6 @@ def adapter_from_tensors(name: str, config: dict, tensors: dict, sites: list[LoR
                              f"adapts ({', '.join(PROJECTIONS)} of a decoder layer)")
         path, _, part = match
         site = by_site[path.removesuffix(".kernel")]
-        a, b = (np.asarray(ab[x], np.float32) for x in "AB")
         below = re.sub(r"^layers\.\d+\.", "", path)
         repeated = kv_parts.get(below, ()) if replicas > 1 else ()
         # The parts' widths as the checkpoint (and so the adapter) has them: KV heads not yet
@@ -163,23 +177,76 @@ def adapter_from_tensors(name: str, config: dict, tensors: dict, sites: list[LoR
         widths = tuple(w // replicas if j in repeated else w
                        for j, w in enumerate(site.part_widths))
         want_out = sum(widths) if part is None else widths[part[0]]
-        if a.shape != (rank, site.in_features) or b.shape != (want_out, rank):
-            raise ValueError(f"adapter module {module!r}: lora_A {list(a.shape)} and lora_B "
-                             f"{list(b.shape)}, expected [{rank}, {site.in_features}] and "
+        a_shape, b_shape = (tuple(shapes[ab[x]]) for x in "AB")
+        if a_shape != (rank, site.in_features) or b_shape != (want_out, rank):
+            raise ValueError(f"adapter module {module!r}: lora_A {list(a_shape)} and lora_B "
+                             f"{list(b_shape)}, expected [{rank}, {site.in_features}] and "
                              f"[{want_out}, {rank}] (r={rank})")
-        if site.path not in weights:
-            num_parts = len(site.part_widths)
-            weights[site.path] = (np.zeros((site.in_features, num_parts * R), np.float32),
-                                  [np.zeros((R, w), np.float32) for w in site.part_widths])
-        a_all, bs = weights[site.path]
         starts = np.cumsum((0,) + widths)
-        for j in (range(len(widths)) if part is None else [part[0]]):
-            offset = starts[j] if part is None else 0  # a fused tensor holds every part
-            b_j = b[offset:offset + widths[j]].T * scale  # [r, out_j]
-            if j in repeated:  # each KV head as many times as tensor parallelism repeats it
-                b_j = repeat_kv_heads(b_j, replicas, H)
-            a_all[:, j * R:j * R + rank] = a.T
-            bs[j][:rank] = b_j
-    if not weights:
+        js = range(len(widths)) if part is None else [part[0]]
+        targets.append(Target(ab["A"], ab["B"], site.path, tuple(
+            (j, int(starts[j]) if part is None else 0, widths[j], j in repeated) for j in js)))
+    if not targets:
         raise ValueError("adapter has no LoRA weights")
+    return rank, scale, tuple(targets)
+
+
+def fill_adapter(xp, targets: tuple[Target, ...], sites: tuple[LoRASite, ...], rank: int,
+                 scale: float, max_lora_rank: int, head_dim: int, replicas: int,
+                 tensors: dict, every_site: bool) -> dict:
+    """The slots' layout of an adapter (`LoRAAdapter.weights`) from its PEFT-named `tensors`,
+    placed as `plan_adapter`'s `targets` say: A transposed to f[in, r] and each part's B to
+    f[r, out_p] times `scale`, both padded with zeros to `max_lora_rank`. `xp` is `numpy`
+    (arrays on the host) or `jax.numpy` (traced under jit: nothing leaves the device). Sites
+    no target fills are left out, or with `every_site` filled with zeros."""
+    R = max_lora_rank
+    filled: dict[str, dict[int, tuple]] = {}
+    for t in targets:
+        a, b = (xp.asarray(tensors[key], xp.float32) for key in (t.a_key, t.b_key))
+        for j, offset, width, repeated in t.parts:
+            b_j = b[offset:offset + width].T * scale  # [r, out_j]
+            if repeated:  # each KV head as many times as tensor parallelism repeats it
+                b_j = repeat_kv_heads(b_j, replicas, head_dim, xp)
+            filled.setdefault(t.site, {})[j] = (xp.pad(a.T, ((0, 0), (0, R - rank))),
+                                               xp.pad(b_j, ((0, R - rank), (0, 0))))
+    weights = {}
+    for site in sites:
+        parts = filled.get(site.path)
+        if parts is None and not every_site:
+            continue
+        parts = parts or {}
+        a_blocks = [parts[j][0] if j in parts else xp.zeros((site.in_features, R), xp.float32)
+                    for j in range(len(site.part_widths))]
+        weights[site.path] = (xp.concatenate(a_blocks, axis=1),
+                              [parts[j][1] if j in parts else xp.zeros((R, w), xp.float32)
+                               for j, w in enumerate(site.part_widths)])
+    return weights
+
+
+def adapter_from_tensors(name: str, config: dict, tensors: dict, sites: list[LoRASite],
+                         model_cls, model_config, max_lora_rank: int) -> LoRAAdapter:
+    """The adapter that PEFT-named `tensors` (`...q_proj.lora_A.weight: f[r, in]`,
+    `...lora_B.weight: f[out, r]`) and a PEFT `config` describe, in the layout of `sites`
+    (`models.lora.lora_sites`). NumPy arrays are laid out on the host (nothing compiles);
+    `jax.Array`s on their device, by a function jitted once per adapter layout, with every
+    site filled, so that writing the adapter into a slot moves nothing between host and
+    device (a training loop's `update_lora` under `jax.transfer_guard`).
+
+    Raises:
+      ValueError: see `plan_adapter`.
+    """
+    shapes = {key: tuple(np.shape(value)) for key, value in tensors.items()}
+    rank, scale, targets = plan_adapter(config, shapes, sites, model_cls, model_config,
+                                        max_lora_rank)
+    static = (targets, tuple(sites), rank, scale, max_lora_rank, model_config.head_dim,
+              model_config.kv_head_replicas)
+    if any(isinstance(value, jax.Array) for value in tensors.values()):
+        weights = _device_fill(*static)(dict(tensors))
+    else:
+        weights = fill_adapter(np, *static, tensors, every_site=False)
     return LoRAAdapter(name, rank, scale, weights)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_fill(*static):
+    return jax.jit(lambda tensors: fill_adapter(jnp, *static, tensors, every_site=True))
