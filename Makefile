@@ -55,7 +55,9 @@ $(TUNIX_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-tunix: $(TUNIX_VENV)/.installed
-	JAX_PLATFORMS=cpu $(TUNIX_VENV)/bin/python -m pytest -q tests/test_tunix.py
+	# Four CPU devices: the tensor-parallel cases.
+	JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+		$(TUNIX_VENV)/bin/python -m pytest -q tests/test_tunix.py
 
 clean:
 	rm -rf $(VENV) $(TUNIX_VENV) build dist *.egg-info

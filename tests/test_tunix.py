@@ -35,7 +35,9 @@ def config(**kw):
 def test_is_a_base_rollout(rollout):
     assert isinstance(rollout, base_rollout.BaseRollout)
     assert isinstance(rollout.pad_id(), int) and rollout.eos_id() == 2
-    assert isinstance(rollout.model(), nnx.Module)
+    # None, as tunix's vLLM rollout: GRPOLearner's weight-sharing check then passes
+    assert rollout.model() is None
+    assert JaxpagedRollout(rollout.llm, pad_id=7).pad_id() == 7
 
 
 def test_generate_and_per_token_logps_agree(rollout):
@@ -83,3 +85,106 @@ def test_update_params_changes_the_rollouts(rollout, tiny_model_dir, tmp_path):
     # a module of the family gives its parameters
     rollout.update_params(nnx.merge(rollout.llm.llm_engine.runner.graphdef, original))
     assert ids(rollout) == before
+
+
+# -- tunix's own models, named as tunix names them ---------------------------------------------
+
+MESH_AXES = ("fsdp", "tp")
+HF_TINY = dict(TINY_CONFIG, pad_token_id=0)
+
+
+def tunix_mesh(tp: int = 1):
+    return jax.make_mesh((1, tp), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _tunix_llama3(d, c):
+    from tunix.models.llama3 import model, params
+    return params.create_model_from_safe_tensors(str(d), model.ModelConfig(
+        num_layers=c["num_hidden_layers"], vocab_size=c["vocab_size"],
+        embed_dim=c["hidden_size"], hidden_dim=c["intermediate_size"],
+        num_heads=c["num_attention_heads"], head_dim=c["hidden_size"] // c["num_attention_heads"],
+        num_kv_heads=c["num_key_value_heads"], rope_theta=int(c["rope_theta"]),
+        norm_eps=c["rms_norm_eps"], weight_tying=c["tie_word_embeddings"]), tunix_mesh(),
+        dtype=jax.numpy.float32)
+
+
+def _tunix_qwen(family):
+    def build(d, c):
+        module = __import__(f"tunix.models.{family}", fromlist=["model", "params"])
+        return module.params.create_model_from_safe_tensors(str(d), module.model.ModelConfig(
+            num_layers=c["num_hidden_layers"], vocab_size=c["vocab_size"],
+            embed_dim=c["hidden_size"], hidden_dim=c["intermediate_size"],
+            num_heads=c["num_attention_heads"], head_dim=c.get("head_dim", 16),
+            num_kv_heads=c["num_key_value_heads"], rope_theta=int(c["rope_theta"]),
+            norm_eps=c["rms_norm_eps"], use_tied_embedding=c["tie_word_embeddings"]),
+            tunix_mesh(), dtype=jax.numpy.float32)
+    return build
+
+
+def _tunix_gemma3(d, c):
+    from tunix.models.gemma3 import model, params_safetensors
+    return params_safetensors.create_model_from_safe_tensors(str(d), model.ModelConfig(
+        num_layers=c["num_hidden_layers"], num_embed=c["vocab_size"],
+        embed_dim=c["hidden_size"], hidden_dim=c["intermediate_size"],
+        num_heads=c["num_attention_heads"], head_dim=c["head_dim"],
+        num_kv_heads=c["num_key_value_heads"], sliding_window_size=c["sliding_window"],
+        param_dtype=jax.numpy.float32), tunix_mesh(), dtype=jax.numpy.float32)
+
+
+# family -> (HF config and model classes, config changes, tunix builder)
+TUNIX_FAMILIES = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", {}, _tunix_llama3),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, _tunix_qwen("qwen2")),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16), _tunix_qwen("qwen3")),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=16, query_pre_attn_scalar=16, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention"]), _tunix_gemma3),
+}
+
+
+def save_family(family, path, seed, default_model_dir):
+    import transformers
+    config_cls, model_cls, changes, _ = TUNIX_FAMILIES[family]
+    config = {**HF_TINY, "rope_theta": 1e6, **changes}
+    torch.manual_seed(seed)
+    getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)
+                                     ).save_pretrained(path)
+    copy_tokenizer(default_model_dir, path)
+    return config
+
+
+@pytest.mark.parametrize("family,tp", [(f, 1) for f in TUNIX_FAMILIES] + [("llama3", 4)])
+def test_tunix_models_params_map_onto_the_engine(family, tp, tmp_path, default_model_dir):
+    """A tunix model loaded by tunix's own loader from folder B, synced into an engine built
+    from folder A under tunix's transfer guards, serves exactly the weights that an engine
+    built from B reads itself; under tensor parallelism too (4 devices on 2 KV heads: each
+    repeated, `make test-tunix` gives the process 4 CPU devices)."""
+    if len(jax.devices()) < tp:
+        pytest.skip(f"needs {tp} devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    config = save_family(family, tmp_path / "a", 0, default_model_dir)
+    save_family(family, tmp_path / "b", 1, default_model_dir)
+    actor = TUNIX_FAMILIES[family][3](tmp_path / "b", config)
+    engine = dict(max_model_len=64, num_kv_blocks=16, precompile=False, tensor_parallel_size=tp)
+    want = nnx.to_pure_dict(LLM(tmp_path / "b", **engine).get_params())
+    rollout = JaxpagedRollout(model=str(tmp_path / "a"), **engine)
+    with guarded():
+        rollout.update_params(nnx.state(actor, nnx.Param), (nnx.Param,))
+    got = nnx.to_pure_dict(rollout.llm.get_params())
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+                 got, want)
+
+
+def guarded():
+    """tunix's `RLCluster.sync_weights` guards on CPU: no transfer between host and device."""
+    import contextlib
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.transfer_guard_device_to_host("disallow_explicit"))
+    stack.enter_context(jax.transfer_guard_host_to_device("disallow_explicit"))
+    return stack
+
+
+def test_an_unknown_tunix_parameter_is_named(rollout):
+    state = {"layers": {0: {"attn": {"q_proj": {"w": jax.numpy.zeros((64, 4, 16))}}}},
+             "mystery": {"w": jax.numpy.zeros((3,))}}
+    with pytest.raises(ValueError, match="mystery.w"):
+        rollout.update_params(state)
