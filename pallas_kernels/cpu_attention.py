@@ -37,15 +37,18 @@ from jaxpaged.pallas_kernels.reference import QuantizedKVCache
 logger = logging.getLogger(__name__)
 
 # Every C++ kernel, compiled into one library: the paged attention here, the weight-only int8
-# matmul (`quantized_matmul`) and the float32 few-row matmul (`few_row_matmul`).
+# matmul (`quantized_matmul`), the float32 few-row matmul (`few_row_matmul`) and the LoRA
+# adapters' products by slot (`lora_matmul`).
 _SOURCES = (Path(__file__).parent / "csrc" / "paged_attention_cpu.cc",
             Path(__file__).parent / "csrc" / "int8_matmul_cpu.cc",
-            Path(__file__).parent / "csrc" / "f32_matmul_cpu.cc")
+            Path(__file__).parent / "csrc" / "f32_matmul_cpu.cc",
+            Path(__file__).parent / "csrc" / "lora_matmul_cpu.cc")
 _TARGET = "jaxpaged_paged_attention"
 _QUANTIZED_TARGET = "jaxpaged_paged_attention_quantized"
 INT8_MATMUL_TARGET = "jaxpaged_int8_matmul"
 F32_MATMUL_KN_TARGET = "jaxpaged_f32_matmul_kn"
 F32_MATMUL_NK_TARGET = "jaxpaged_f32_matmul_nk"
+LORA_MATMUL_TARGET = "jaxpaged_lora_matmul"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
           "-pthread"]
 
@@ -127,6 +130,8 @@ def available() -> bool:
                                 jax.ffi.pycapsule(lib.JaxpagedF32MatmulKN), platform="cpu")
     jax.ffi.register_ffi_target(F32_MATMUL_NK_TARGET,
                                 jax.ffi.pycapsule(lib.JaxpagedF32MatmulNK), platform="cpu")
+    jax.ffi.register_ffi_target(LORA_MATMUL_TARGET,
+                                jax.ffi.pycapsule(lib.JaxpagedLoraMatmul), platform="cpu")
     return True
 
 
