@@ -6,9 +6,11 @@ A projection `y = x @ W` under adapter a becomes `y = x @ W + s_a * (x @ A_a) @ 
 engine keeps `max_loras` adapters on the device at once, each in a slot, and every token of a
 packed step carries its sequence's slot (`ModelInput.lora_slots`; 0: no adapter). `LoRA` holds
 every slot's weights of one projection, zero-padded to `max_lora_rank` with `s_a` folded into
-B, and adds each token's own adapter's product in two matmuls over all slots: `x @ A` for every
-slot at once, masked to the token's slot (a one-hot), then `@ B`. Shapes never depend on which
-adapters are loaded, so loading or replacing one recompiles nothing.
+B, and adds each token's own adapter's product (`pallas_kernels.lora_matmul`): on one CPU
+device in float32, by the C++ kernel that groups the tokens by slot and runs each group through
+its own adapter; elsewhere in two matmuls over all slots, `x @ A` for every slot at once, masked
+to the token's slot (a one-hot), then `@ B`. Shapes never depend on which adapters are loaded,
+so loading or replacing one recompiles nothing.
 
 A stacked projection (q/k/v in `qkv_proj`, gate/up in `gate_up_proj`, `models.layers`) has one
 A and one B per part: the parts' A side by side on the rank axis (they read the same input) and
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpaged.pallas_kernels import lora_matmul
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS
 
 # The projections an adapter may target, by the attribute of the layer that holds them, and
@@ -55,8 +58,12 @@ class LoRA(nnx.Module):
     """Every slot's adapter of one projection.
 
     lora_a: f[max_loras, in, parts * max_lora_rank]; lora_b: one f[max_loras, max_lora_rank,
-    out_p] per part p. Slot s of the engine (1..max_loras) is index s - 1.
+    out_p] per part p. Slot s of the engine (1..max_loras) is index s - 1. The products run
+    on the CPU kernel (`pallas_kernels.lora_matmul`: each token's own adapter only) once the
+    engine turns `lora_kernel` on (`enable_lora_kernel`), else as a one-hot over the slots.
     """
+
+    lora_kernel = False
 
     def __init__(self, site: LoRASite, *, max_loras: int, max_lora_rank: int, dtype,
                  tensor_parallel_size: int, mesh=None):
@@ -73,16 +80,10 @@ class LoRA(nnx.Module):
     def __call__(self, x: jax.Array, slots: jax.Array) -> jax.Array:
         """The adapters' change to the projection of x: f[T, in] with i32[T] slots -> f[T, out]
         in x's dtype (0 for tokens of slot 0)."""
-        T = x.shape[0]
-        S, r = self.max_loras, self.rank
-        onehot = (slots[:, None] == jnp.arange(1, S + 1, dtype=slots.dtype)).astype(x.dtype)
-        h = jnp.einsum("ti,sir->tsr", x, self.lora_a[...]) * onehot[:, :, None]
-        outs = []
-        for p, b in enumerate(self.lora_b):
-            h_p = h[:, :, p * r:(p + 1) * r].reshape(T, S * r)
-            out_p = h_p @ b[...].reshape(S * r, -1)
-            outs.append(out_p.reshape(T, self.tp, -1))  # by shard, as the stacked kernel
-        return jnp.concatenate(outs, axis=-1).reshape(T, -1).astype(x.dtype)
+        a, bs = self.lora_a[...], [b[...] for b in self.lora_b]
+        if self.lora_kernel and self.tp == 1 and lora_matmul.fits(x, a, bs):
+            return lora_matmul.lora_matmul(x, slots, a, bs)
+        return lora_matmul.lora_matmul_reference(x, slots, a, bs, num_shards=self.tp)
 
 
 def _zeros(shape: tuple, dtype, spec: tuple, mesh) -> LoRAWeight:
@@ -145,6 +146,17 @@ def enable_lora(model: nnx.Module, *, max_loras: int, max_lora_rank: int, dtype,
             site, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
             tensor_parallel_size=model.config.tensor_parallel_size, mesh=mesh))
     return sites
+
+
+def enable_lora_kernel(model: nnx.Module) -> int:
+    """Turns the CPU kernel on in `model`'s adapter slots (`LoRA.lora_kernel`; for an engine on
+    one CPU device with float32 weights); returns how many projections."""
+    count = 0
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, LoRA):
+            node.lora_kernel = True
+            count += 1
+    return count
 
 
 def project(base: nnx.Module, lora: LoRA | None, x: jax.Array,

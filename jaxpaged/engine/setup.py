@@ -14,7 +14,7 @@ from jaxpaged.config import CacheConfig, ExecutionConfig, LoRAConfig, SchedulerC
 from jaxpaged.model_loader.loader import load_model_from_dir
 from jaxpaged.models import ModelConfig
 from jaxpaged.models.layers import enable_few_row_kernel
-from jaxpaged.models.lora import enable_lora
+from jaxpaged.models.lora import enable_lora, enable_lora_kernel
 from jaxpaged.models.quantization import quantize_model
 from jaxpaged.pallas_kernels import make_attention_backend
 from jaxpaged.platforms import current_platform
@@ -46,13 +46,16 @@ def load_engine_model(model_dir: Path, model_config: ModelConfig, dtype, backend
     """The model with its weights (read from the GGUF file itself for a folder that serves
     one, `gguf_import.write_gguf_metadata`), quantized as `quantization` says
     (`models.quantization`), with adapter slots where `lora.enable_lora` (`models.lora`), on
-    the few-row kernel where the platform uses it."""
+    the few-row and LoRA kernels where the platform uses them."""
     model = load_model_from_dir(model_dir, model_config, dtype, backend, mesh)
     model = quantize_model(model, quantization, mesh=mesh,
                            use_kernel=INT8_MATMUL in current_platform().kernels())
     if lora.enable_lora:
         enable_lora(model, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank,
                     dtype=dtype, mesh=mesh)
+        # Each token through its own adapter only, on the CPU kernel, where it runs.
+        if current_platform().use_lora_kernel(dtype, mesh is not None, batch_invariant):
+            enable_lora_kernel(model)
     # Steps of a few tokens (verifications) on the few-row kernel; not in batch-invariant
     # mode, whose rows must be computed one way whatever the step's size.
     if current_platform().use_few_row_kernel(dtype, mesh is not None, batch_invariant):

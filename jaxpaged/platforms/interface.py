@@ -17,6 +17,7 @@ from jaxpaged import envs
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Kernel names `Platform.kernels` may list.
 CPU_ATTENTION, FEW_ROW_MATMUL, INT8_MATMUL = "cpu_attention", "few_row_matmul", "int8_matmul"
+LORA_MATMUL = "lora_matmul"
 
 
 class Platform:
@@ -46,11 +47,16 @@ class Platform:
         return self.default_attention_backend if name == "auto" else name
 
     def kernels(self) -> frozenset[str]:
-        """The custom kernels usable here (`CPU_ATTENTION`, `FEW_ROW_MATMUL`, `INT8_MATMUL`)."""
+        """The custom kernels usable here (`CPU_ATTENTION`, `FEW_ROW_MATMUL`, `INT8_MATMUL`,
+        `LORA_MATMUL`)."""
         return frozenset()
 
     def use_few_row_kernel(self, dtype, tensor_parallel: bool, batch_invariant: bool) -> bool:
         """Whether the model's linear layers run steps of a few rows on the few-row kernel."""
+        return False
+
+    def use_lora_kernel(self, dtype, tensor_parallel: bool, batch_invariant: bool) -> bool:
+        """Whether the model's adapter slots run on the LoRA kernel (`models.lora.LoRA`)."""
         return False
 
     # Batch invariance (`LLM(batch_invariant=True)`).

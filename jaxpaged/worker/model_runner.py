@@ -55,9 +55,10 @@ class SampledToken:
     top: list[tuple[int, float]] | None
 
 
-def _uses_few_row_kernel(model: nnx.Module) -> bool:
-    """Whether the engine turned the few-row matmul kernel on in `model` (a program apart)."""
-    return any(getattr(node, "few_row_kernel", False) for _, node in nnx.iter_graph(model))
+def _uses_kernel(model: nnx.Module, flag: str) -> bool:
+    """Whether the engine turned a kernel on in `model` (a program apart): the few-row matmul
+    ("few_row_kernel", `models.layers`) or the LoRA one ("lora_kernel", `models.lora.LoRA`)."""
+    return any(getattr(node, flag, False) for _, node in nnx.iter_graph(model))
 
 
 class ModelRunner:
@@ -122,7 +123,8 @@ class ModelRunner:
             self.backend.name, repr(self.limits),
             repr(sorted((path, spec[:2]) for path, spec in self.param_specs.items())),
             f"invariant={getattr(self.backend, 'invariant', False)}",
-            f"few_row_kernel={_uses_few_row_kernel(model)}",
+            f"few_row_kernel={_uses_kernel(model, 'few_row_kernel')}",
+            f"lora_kernel={_uses_kernel(model, 'lora_kernel')}",
             repr(None if self.mesh is None else self.mesh.devices.tolist())),
             None if self.mesh is None else list(self.mesh.devices.flat))
         # Test-only: called with each `SchedulerOutput` at the start of `execute`; a hook that
