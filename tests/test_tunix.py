@@ -142,10 +142,12 @@ TUNIX_FAMILIES = {
 }
 
 
-def save_family(family, path, seed, default_model_dir):
+def save_family(family, path, seed, default_model_dir, **more):
+    """A random tiny model of `family` saved in `path` (rope_theta 1e6: tunix's Llama 3
+    uses that whatever the config says); returns its config."""
     import transformers
     config_cls, model_cls, changes, _ = TUNIX_FAMILIES[family]
-    config = {**HF_TINY, "rope_theta": 1e6, **changes}
+    config = {**HF_TINY, "rope_theta": 1e6, **changes, **more}
     torch.manual_seed(seed)
     getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)
                                      ).save_pretrained(path)
@@ -188,3 +190,123 @@ def test_an_unknown_tunix_parameter_is_named(rollout):
              "mystery": {"w": jax.numpy.zeros((3,))}}
     with pytest.raises(ValueError, match="mystery.w"):
         rollout.update_params(state)
+
+
+# -- tunix's GRPOLearner.train with jaxpaged as the rollout engine ---------------------------
+
+GRPO_QUESTIONS = ["Name a fruit.", "Say hello.", "Count to three.", "What is red?",
+                  "Name a tree.", "Spell cat."]
+GRPO_STEPS = 3
+
+
+class CheckedRollout(JaxpagedRollout):
+    """A `JaxpagedRollout` that, after each of tunix's syncs, scores its last rollouts with
+    itself and with tunix's actor (`tunix.rl.common.compute_per_token_logps`, what the trainer
+    computes) and records the largest difference over the completions' tokens."""
+
+    def __init__(self, *, rollout_actor=None, mesh=None, **kwargs):
+        self.actor, self.actor_mesh, self.last = None, mesh, None
+        self.gaps, self.stale = [], []  # after each sync; before it (the training's change)
+        super().__init__(rollout_actor=rollout_actor, mesh=mesh, **kwargs)
+        self.actor = rollout_actor  # tunix trains this module in place
+
+    def generate(self, prompts, rollout_config, **kwargs):
+        self.last = super().generate(prompts, rollout_config, **kwargs)
+        return self.last
+
+    def update_params(self, params, filter_types=None):
+        checked = self.actor is not None and self.last is not None
+        if checked:
+            with jax.transfer_guard("allow"):  # the test's own check, not the sync
+                self.stale.append(self._gap())
+        super().update_params(params, filter_types)
+        if checked:
+            with jax.transfer_guard("allow"):
+                self.gaps.append(self._gap())
+
+    def _gap(self) -> float:
+        from tunix.rl import common
+        pad, eos = self.pad_id(), self.eos_id()
+        prompts = jax.numpy.asarray(self.last.left_padded_prompt_tokens)
+        completions = np.full((len(self.last.tokens), max(map(len, self.last.tokens))), pad,
+                              np.int32)
+        for row, t in zip(completions, self.last.tokens):
+            row[:len(t)] = t
+        ours = np.asarray(self.get_per_token_logps(prompts, jax.numpy.asarray(completions)))
+        with jax.set_mesh(self.actor_mesh):
+            theirs = np.asarray(common.compute_per_token_logps(
+                *nnx.split(self.actor), prompts, jax.numpy.asarray(completions), pad, eos))
+        return max(float(np.abs(ours[i, :len(t)] - theirs[i, :len(t)]).max())
+                   for i, t in enumerate(self.last.tokens))
+
+
+def run_grpo(model_dir, rollout_engine, lora: bool, steps: int = GRPO_STEPS):
+    """tunix 0.1.7's own loop, unchanged: `RLCluster` + `GRPOLearner.train` for `steps`
+    steps on the tiny Llama of `model_dir` (tunix's Llama 3 loaded by tunix's loader; with
+    `lora`, qwix adapters of rank 4 on every projection, B nonzero). Returns the cluster."""
+    import optax
+    import qwix
+    from transformers import AutoTokenizer
+    from tunix.rl import rl_cluster as rl
+    from tunix.rl.grpo.grpo_learner import GRPOConfig, GRPOLearner
+    config = dict(HF_TINY, rope_theta=1e6, tie_word_embeddings=True)
+    mesh = tunix_mesh()
+    reference = _tunix_llama3(model_dir, config)
+    actor = _tunix_llama3(model_dir, config)
+    if lora:
+        provider = qwix.LoraProvider(module_path=".*(q|k|v|o|gate|up|down)_proj", rank=4,
+                                     alpha=8.0)
+        with jax.set_mesh(mesh):
+            actor = qwix.apply_lora_to_model(reference, provider, rngs=nnx.Rngs(0),
+                                             **reference.get_model_input())
+        key = jax.random.PRNGKey(1)
+        for _, var in nnx.iter_graph(actor):
+            if isinstance(var, nnx.LoRAParam) and var.value.shape[0] == 4:  # the B weights
+                key, sub = jax.random.split(key)
+                var.value = jax.device_put(0.05 * jax.random.normal(sub, var.value.shape),
+                                           var.value.sharding)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    cluster = rl.RLCluster(actor=actor, reference=reference, tokenizer=tokenizer,
+                           cluster_config=rl.ClusterConfig(
+        role_to_mesh={rl.Role.ACTOR: mesh, rl.Role.REFERENCE: mesh, rl.Role.ROLLOUT: mesh},
+        rollout_engine=rollout_engine, offload_to_cpu=False,
+        training_config=rl.RLTrainingConfig(
+            actor_optimizer=optax.adamw(1e-3),
+            eval_every_n_steps=1_000_000, max_steps=steps, mini_batch_size=2,
+            train_micro_batch_size=2, rollout_micro_batch_size=2,
+            compute_logps_micro_batch_size=2, checkpoint_root_directory=None,
+            metrics_logging_options=None),
+        rollout_config=base_rollout.RolloutConfig(
+            max_tokens_to_generate=16, max_prompt_length=32, kv_cache_size=64,
+            temperature=0.9, top_p=1.0, top_k=None)))
+    learner = GRPOLearner(cluster, reward_fns=[lambda prompts, completions, **kw: [
+        float(c.count("e")) for c in completions]], algo_config=GRPOConfig(
+            num_generations=2, num_iterations=1, beta=0.04, epsilon=0.2))
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                          add_generation_prompt=True) for q in GRPO_QUESTIONS]
+    learner.train([{"prompts": np.array(chat[i:i + 2])} for i in range(0, 2 * steps, 2)])
+    return cluster
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_learner_trains_with_jaxpaged_rollouts(lora, tmp_path, default_model_dir):
+    """tunix's `GRPOLearner.train`, unchanged, with `JaxpagedRollout` as `RLCluster`'s rollout
+    engine (given as a partial naming the model folder): every step syncs the actor into the
+    engine (full weights, or only the qwix adapter as LoRA), under tunix's transfer guards,
+    and after each sync the engine's log-probabilities of its last completions equal the
+    trained actor's within 1e-4. The pad id is one no chat prompt holds (SmolLM2's own,
+    `<|im_end|>`, ends every chat turn, and tunix masks pad ids out of prompts)."""
+    import functools
+    model_dir = tmp_path / "tiny"
+    save_family("llama3", model_dir, 0, default_model_dir, tie_word_embeddings=True)  # SmolLM2's
+    engine = functools.partial(CheckedRollout, model=str(model_dir), pad_id=0,
+                               lora_alpha=8.0 if lora else None, num_kv_blocks=64,
+                               precompile=False)
+    cluster = run_grpo(model_dir, engine, lora)
+    rollout = cluster.rollout
+    assert cluster.actor_trainer.train_steps == GRPO_STEPS
+    assert (rollout.lora_request is not None) == lora
+    assert len(rollout.gaps) == GRPO_STEPS, rollout.gaps  # a sync after every step
+    assert max(rollout.gaps) < 1e-4, rollout.gaps
+    # the check can fail: before each sync, the engine lags the trained actor by far more
+    assert min(rollout.stale) > 1e-3, rollout.stale

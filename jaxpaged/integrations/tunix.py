@@ -43,7 +43,7 @@ class JaxpagedRollout(base_rollout.BaseRollout):
       llm: the engine; or None, and one is built from `model` (a Hugging Face folder), else
         `rollout_config.rollout_vllm_model_version` (the field tunix's vLLM rollout reads),
         with `tensor_parallel_size` the size of `mesh`'s "tp" axis (1 without a mesh),
-        `max_model_len` the config's `max_prompt_length + max_tokens_to_generate`, and
+        `max_model_len` the config's `max_prompt_length + max_tokens_to_generate + 1`, and
         `**llm_kwargs` (any `LLM` option, overriding those).
       rollout_actor: tunix's actor model (what `RLCluster` passes). Its weights are served
         from the start; with qwix adapters (`nnx.LoRAParam`s) on it, its base weights are
@@ -241,8 +241,9 @@ def _engine_kwargs(model: str | None, mesh, rollout_config, lora_rank: int | Non
         tp = dict(mesh.shape).get("tp", 1)
     kwargs["tensor_parallel_size"] = tp if tp and tp > 0 else 1
     if rollout_config is not None:
+        # A longest prompt and completion, and the position after them.
         kwargs["max_model_len"] = (rollout_config.max_prompt_length
-                                   + rollout_config.max_tokens_to_generate)
+                                   + rollout_config.max_tokens_to_generate + 1)
     if lora_rank is not None:
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank)
     return {**kwargs, **llm_kwargs}
