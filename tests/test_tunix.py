@@ -2,6 +2,8 @@
 the tiny random Llama. tunix lives in its own virtualenv: `make test-tunix` runs this file there
 (in the main suite's environment it is skipped: tunix is not installed)."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -103,7 +105,7 @@ def _tunix_llama3(d, c):
         num_layers=c["num_hidden_layers"], vocab_size=c["vocab_size"],
         embed_dim=c["hidden_size"], hidden_dim=c["intermediate_size"],
         num_heads=c["num_attention_heads"], head_dim=c["hidden_size"] // c["num_attention_heads"],
-        num_kv_heads=c["num_key_value_heads"], rope_theta=int(c["rope_theta"]),
+        num_kv_heads=c["num_key_value_heads"], rope_theta=1_000_000,  # tunix's, whatever c says
         norm_eps=c["rms_norm_eps"], weight_tying=c["tie_word_embeddings"]), tunix_mesh(),
         dtype=jax.numpy.float32)
 
@@ -240,16 +242,20 @@ class CheckedRollout(JaxpagedRollout):
                    for i, t in enumerate(self.last.tokens))
 
 
-def run_grpo(model_dir, rollout_engine, lora: bool, steps: int = GRPO_STEPS):
+def run_grpo(model_dir, rollout_engine, lora: bool, steps: int = GRPO_STEPS,
+             step_ends: list | None = None):
     """tunix 0.1.7's own loop, unchanged: `RLCluster` + `GRPOLearner.train` for `steps`
     steps on the tiny Llama of `model_dir` (tunix's Llama 3 loaded by tunix's loader; with
-    `lora`, qwix adapters of rank 4 on every projection, B nonzero). Returns the cluster."""
+    `lora`, qwix adapters of rank 4 on every projection, B nonzero). Returns the cluster;
+    `step_ends` (if given) gets `time.perf_counter()` at the end of each actor update
+    (`bench/tunix_grpo.py`)."""
     import optax
     import qwix
     from transformers import AutoTokenizer
     from tunix.rl import rl_cluster as rl
     from tunix.rl.grpo.grpo_learner import GRPOConfig, GRPOLearner
-    config = dict(HF_TINY, rope_theta=1e6, tie_word_embeddings=True)
+    import json
+    config = json.loads((Path(model_dir) / "config.json").read_text())
     mesh = tunix_mesh()
     reference = _tunix_llama3(model_dir, config)
     actor = _tunix_llama3(model_dir, config)
@@ -277,13 +283,23 @@ def run_grpo(model_dir, rollout_engine, lora: bool, steps: int = GRPO_STEPS):
             compute_logps_micro_batch_size=2, checkpoint_root_directory=None,
             metrics_logging_options=None),
         rollout_config=base_rollout.RolloutConfig(
-            max_tokens_to_generate=16, max_prompt_length=32, kv_cache_size=64,
+            max_tokens_to_generate=16, max_prompt_length=32, kv_cache_size=128,
             temperature=0.9, top_p=1.0, top_k=None)))
     learner = GRPOLearner(cluster, reward_fns=[lambda prompts, completions, **kw: [
         float(c.count("e")) for c in completions]], algo_config=GRPOConfig(
             num_generations=2, num_iterations=1, beta=0.04, epsilon=0.2))
+    if step_ends is not None:
+        import time
+        update = cluster.update_actor
+
+        def timed_update(*args, **kwargs):
+            out = update(*args, **kwargs)
+            step_ends.append(time.perf_counter())
+            return out
+        cluster.update_actor = timed_update
     chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                           add_generation_prompt=True) for q in GRPO_QUESTIONS]
+    chat = [chat[i % len(chat)] for i in range(2 * steps)]
     learner.train([{"prompts": np.array(chat[i:i + 2])} for i in range(0, 2 * steps, 2)])
     return cluster
 

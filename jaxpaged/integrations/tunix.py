@@ -20,6 +20,7 @@ lives in its own virtualenv: `make test-tunix` builds `.venv-tunix` and runs its
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -90,6 +91,7 @@ class JaxpagedRollout(base_rollout.BaseRollout):
         self.tokenizer = self.llm.get_tokenizer()
         self._pad_id = pad_id
         self._tunix_params = None  # TunixParams, built at the first tunix-named sync
+        self._lora_tensors = None  # the jitted qwix -> PEFT layout, built at the first
         self.lora_request = None
         if rollout_actor is not None:
             self.update_params(nnx.state(rollout_actor, nnx.All(nnx.Param,
@@ -203,9 +205,11 @@ class JaxpagedRollout(base_rollout.BaseRollout):
         if self.lora_rank is None:
             raise ValueError("update_params: LoRA parameters, but the rollout was built "
                              "without a LoRA actor (its engine serves no adapters)")
-        rank = self.lora_rank
-        tensors = jax.jit(lambda state: peft_lora_tensors(state, rank))(params)
-        self.llm.update_lora(LORA_NAME, tensors, {"r": rank, "lora_alpha": self.lora_alpha})
+        if self._lora_tensors is None:  # traced once per tree layout
+            self._lora_tensors = jax.jit(functools.partial(peft_lora_tensors,
+                                                           rank=self.lora_rank))
+        self.llm.update_lora(LORA_NAME, self._lora_tensors(params),
+                             {"r": self.lora_rank, "lora_alpha": self.lora_alpha})
         self.lora_request = LoRARequest(LORA_NAME, 1)
 
     def pad_id(self) -> int:
