@@ -6,9 +6,11 @@ no compilation; a reloaded adapter never reuses its old version's cached blocks;
 than `max_loras` at once all finish; bad folders and requests are refused by name."""
 
 import json
+import re
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -148,6 +150,63 @@ def test_load_reload_and_slot_changes_compile_nothing(tiny_model_dir, tmp_path, 
 def _peft_tensors(folder):
     from safetensors.numpy import load_file
     return load_file(folder / "adapter_model.safetensors")
+
+
+def _qwix_tree(peft: dict, heads: int, head_dim: int) -> dict:
+    """The qwix `nnx.LoRAParam` tree of a tunix Llama 3 (`layers.{i}.attn.q_proj.w_lora_a:
+    f[D, r]`, `w_lora_b: f[r, N, H]`, `o_proj.w_lora_a: f[N, H, r]`, `mlp.*.kernel_lora_*`)
+    holding the PEFT adapter `peft`, written out by hand from qwix's einsum rule."""
+    tree: dict = {}
+    for key, a in peft.items():
+        m = re.match(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+                     r"\.lora_A\.weight$", key)
+        if m is None:
+            continue
+        layer, owner, proj = m.groups()
+        b = peft[key.replace("lora_A", "lora_B")]
+        r = a.shape[0]
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            la, lb, name = a.T, b.T.reshape(r, -1, head_dim), "w"
+        elif proj == "o_proj":
+            la, lb, name = a.T.reshape(heads, head_dim, r), b.T, "w"
+        else:
+            la, lb, name = a.T, b.T, "kernel"
+        node = tree.setdefault("layers", {}).setdefault(int(layer), {}).setdefault(
+            "attn" if owner == "self_attn" else "mlp", {}).setdefault(proj, {})
+        node[f"{name}_lora_a"], node[f"{name}_lora_b"] = jnp.asarray(la), jnp.asarray(lb)
+    return tree
+
+
+def test_update_lora_from_device_arrays_and_a_qwix_tree(tiny_model_dir, tmp_path, make_llm,
+                                                       compiles):
+    """`update_lora` from `jax.Array`s, PEFT-named or as a qwix tree of a tunix Llama 3: the
+    same adapter either way (its outputs equal to the folder's), with no transfer between host
+    and device (tunix's guards), and a second update of the same layout compiles nothing."""
+    base = transformers.LlamaForCausalLM.from_pretrained(tiny_model_dir).eval()
+    save_adapter(base, tmp_path / "a", 8, 16, ALL, False, seed=31)
+    llm = make_llm(tiny_model_dir, enable_lora=True, max_loras=2, max_lora_rank=8)
+    prompt = [{"prompt_token_ids": PROMPTS[2]}]
+    run = lambda name: llm.generate(prompt, GREEDY, use_tqdm=False,
+                                    lora_request=LoRARequest(name))[0].outputs[0]
+    llm.add_lora(LoRARequest("folder", 1, str(tmp_path / "a")))
+    want = run("folder")
+    peft = _peft_tensors(tmp_path / "a")
+    config = {"r": 8, "lora_alpha": 16}
+    H = TINY_CONFIG["hidden_size"] // TINY_CONFIG["num_attention_heads"]
+    for name, tensors in [("peft", {k: jnp.asarray(v) for k, v in peft.items()}),
+                          ("qwix", _qwix_tree(peft, TINY_CONFIG["num_attention_heads"], H))]:
+        with jax.transfer_guard_device_to_host("disallow_explicit"), \
+                jax.transfer_guard_host_to_device("disallow_explicit"):
+            llm.update_lora(name, tensors, config)
+        got = run(name)
+        assert got.token_ids == want.token_ids, name
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(want.logprobs,
+                                                                   want.token_ids)], atol=1e-5)
+        halved = jax.tree.map(lambda x: x * 0.5, tensors)
+        compiles.clear()
+        llm.update_lora(name, halved, config)
+        assert compiles == [], name  # its layout was compiled by the first update
 
 
 def test_a_reloaded_adapter_never_reuses_its_old_blocks(tiny_model_dir, tmp_path, make_llm):

@@ -262,15 +262,23 @@ class LLM:
         return self._loras().list()
 
     def update_lora(self, lora_name: str, tensors: dict, config: dict | None = None) -> None:
-        """Adapter `lora_name` from arrays in memory, for training loops: `tensors` PEFT-named
+        """Adapter `lora_name` from arrays in memory, for training loops. `tensors`: PEFT-named
         (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: f[r, in]`,
-        `...lora_B.weight: f[out, r]`), `config` a PEFT config dict (default: the held
-        version's, or `lora_alpha = r`). New requests use it from the next step; nothing
-        compiles. Atomic: on an error the held version keeps serving.
+        `...lora_B.weight: f[out, r]`), or a qwix `nnx.LoRAParam` tree of a tunix model
+        (`layers.0.attn.q_proj.w_lora_a: f[D, r]`, `w_lora_b: f[r, N, H]`; qwix's scale
+        alpha / rank is PEFT's, so give `lora_alpha` in `config`), whose layout is converted
+        (`integrations.tunix_params`). `config`: a PEFT config dict (default: the held
+        version's, or `lora_alpha = r`). New requests use it from the next step. NumPy
+        arrays compile nothing; `jax.Array`s are laid out on their device by functions
+        compiled at the first update of each layout, and move nothing through the host.
+        Atomic: on an error the held version keeps serving.
 
         Raises:
           ValueError: a name, shape or config field the adapter cannot have (named).
         """
+        from jaxpaged.integrations.tunix_params import is_qwix_tree, qwix_lora_tensors
+        if is_qwix_tree(tensors):
+            tensors = qwix_lora_tensors(tensors)
         self._loras().update(lora_name, tensors, config)
 
     def _loras(self):

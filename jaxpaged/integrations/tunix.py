@@ -20,7 +20,6 @@ lives in its own virtualenv: `make test-tunix` builds `.venv-tunix` and runs its
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -30,7 +29,7 @@ from flax import nnx
 from tunix.rl.rollout import base_rollout
 
 from jaxpaged.entrypoints.llm import LLM
-from jaxpaged.integrations.tunix_params import TunixParams, peft_lora_tensors, tunix_paths
+from jaxpaged.integrations.tunix_params import TunixParams, tunix_paths
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.models.loader import flat_params
 from jaxpaged.sampling_params import SamplingParams
@@ -91,7 +90,6 @@ class JaxpagedRollout(base_rollout.BaseRollout):
         self.tokenizer = self.llm.get_tokenizer()
         self._pad_id = pad_id
         self._tunix_params = None  # TunixParams, built at the first tunix-named sync
-        self._lora_tensors = None  # the jitted qwix -> PEFT layout, built at the first
         self.lora_request = None
         if rollout_actor is not None:
             self.update_params(nnx.state(rollout_actor, nnx.All(nnx.Param,
@@ -205,10 +203,7 @@ class JaxpagedRollout(base_rollout.BaseRollout):
         if self.lora_rank is None:
             raise ValueError("update_params: LoRA parameters, but the rollout was built "
                              "without a LoRA actor (its engine serves no adapters)")
-        if self._lora_tensors is None:  # traced once per tree layout
-            self._lora_tensors = jax.jit(functools.partial(peft_lora_tensors,
-                                                           rank=self.lora_rank))
-        self.llm.update_lora(LORA_NAME, self._lora_tensors(params),
+        self.llm.update_lora(LORA_NAME, params,
                              {"r": self.lora_rank, "lora_alpha": self.lora_alpha})
         self.lora_request = LoRARequest(LORA_NAME, 1)
 

@@ -21,6 +21,7 @@ k and v one shared A).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 
@@ -208,3 +209,28 @@ def peft_lora_tensors(state, rank: int) -> dict[str, jax.Array]:
             out[module + ".lora_A.weight"] = a_peft
             out[module + ".lora_B.weight"] = b_part.reshape(rank, -1).T  # [out, r]
     return out
+
+
+def is_qwix_tree(tensors) -> bool:
+    """Whether `tensors` is a qwix `nnx.LoRAParam` tree (a leaf named `..._lora_a`) rather
+    than PEFT-named arrays."""
+    return any(p.endswith("_lora_a") for p in tunix_paths(tensors))
+
+
+def qwix_lora_tensors(state) -> dict[str, jax.Array]:
+    """`peft_lora_tensors` of a qwix `nnx.LoRAParam` state (or its nested dict), its rank read
+    from the A weights, on the device (jitted once per rank and tree layout).
+
+    Raises:
+      ValueError: as `peft_lora_tensors`, or a tree with no `_lora_a` weight.
+    """
+    ranks = {x.shape[-1] for p, x in tunix_paths(state).items() if p.endswith("_lora_a")}
+    if len(ranks) != 1:
+        raise ValueError(f"tensors: a qwix LoRA tree needs `_lora_a` weights of one rank, got "
+                         f"ranks {sorted(ranks)}")
+    return _jitted_peft_lora_tensors(ranks.pop())(state)
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_peft_lora_tensors(rank: int):
+    return jax.jit(functools.partial(peft_lora_tensors, rank=rank))
