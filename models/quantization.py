@@ -1,4 +1,5 @@
-"""Weight-only int8 quantization of a loaded model (`LLM(quantization="int8")`).
+"""int8 quantization of a loaded model: weight-only (`LLM(quantization="int8")`) or with int8
+activations too (`LLM(quantization="w8a8")`).
 
 Every linear layer's kernel `f[K, N]` becomes `weight: i8[N, K]` (output rows by input
 features, as Hugging Face and GGUF store them) and `scale: f32[N]`: symmetric, per output
@@ -7,6 +8,11 @@ of vLLM's and TensorRT-LLM's weight-only int8). The matmul reads the int8 weight
 (`int8_matmul`: the C++ kernel on CPU); activations, norms, biases and the KV cache keep their
 dtype. With `embeddings=True` the token embedding (and so a tied LM head) is quantized the same
 way, one scale per vocabulary row: the embedding is a fifth of a 135M model's weights.
+
+"w8a8" keeps the same int8 weights and also quantizes each layer's input per token, on the fly
+(`w8a8_matmul`): the product is summed in int32, which the CPU's VNNI instructions do at four
+times float32's multiply-adds per instruction. The tied LM head (`QuantizedEmbed.attend`) does
+the same. Integer sums are exact, so a token's outputs do not depend on the rest of its step.
 
 Under tensor parallelism the weights keep their layer's split (column-parallel on N,
 row-parallel on K) and the matmul runs as jnp, partitioned by XLA; the C++ kernel serves one
@@ -21,29 +27,40 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS
-from jaxpaged.pallas_kernels.quantized_matmul import int8_matmul, quantize_int8
+from jaxpaged.pallas_kernels.quantized_matmul import int8_matmul, quantize_int8, w8a8_matmul
 
 def _param(value, spec: tuple) -> nnx.Param:
     with nnx.use_eager_sharding(False):
         return nnx.Param(value, out_sharding=spec)
 
 
+def _matmul(x: jax.Array, w: jax.Array, scale: jax.Array, activations: str,
+            use_kernel: bool) -> jax.Array:
+    """f32[..., N]: x times the int8 weights, x kept in float ("float") or quantized per token
+    ("int8", W8A8)."""
+    if activations == "int8":
+        return w8a8_matmul(x, w, scale, use_kernel=use_kernel)
+    return int8_matmul(x, w, scale, use_kernel=use_kernel)
+
+
 class QuantizedLinear(nnx.Module):
     """A linear layer with int8 weights: `y = (x @ weight.T) * scale + bias`, in x's dtype.
 
     weight: i8[N, K] laid out by `spec` over the mesh; scale: f32[N] by its first axis; bias:
-    f[N] or None (kept as it was).
+    f[N] or None (kept as it was). `activations`: "float" (weight-only) or "int8" (x quantized
+    per token, W8A8).
     """
 
     def __init__(self, weight: jax.Array, scale: jax.Array, bias, *, spec: tuple,
-                 use_kernel: bool = False):
+                 use_kernel: bool = False, activations: str = "float"):
         self.weight = _param(weight, spec)
         self.scale = _param(scale, spec[:1])
         self.bias = bias
         self.use_kernel = use_kernel
+        self.activations = activations
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = int8_matmul(x, self.weight[...], self.scale[...], use_kernel=self.use_kernel)
+        y = _matmul(x, self.weight[...], self.scale[...], self.activations, self.use_kernel)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(x.dtype)
@@ -54,21 +71,24 @@ class QuantizedEmbed(nnx.Module):
     `attend(x)` is the tied LM head `x @ (weight * scale).T`; both in `dtype`.
 
     weight: i8[V, D]; scale: f32[V]; split on V over the mesh, as `nnx.Embed` is.
+    `activations`: as `QuantizedLinear`'s, for `attend`.
     """
 
-    def __init__(self, weight: jax.Array, scale: jax.Array, dtype, *, use_kernel: bool = False):
+    def __init__(self, weight: jax.Array, scale: jax.Array, dtype, *, use_kernel: bool = False,
+                 activations: str = "float"):
         self.weight = _param(weight, (MODEL_AXIS, None))
         self.scale = _param(scale, (MODEL_AXIS,))
         self.dtype = dtype
         self.use_kernel = use_kernel
+        self.activations = activations
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         rows = self.weight[...][ids].astype(jnp.float32) * self.scale[...][ids][..., None]
         return rows.astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return int8_matmul(x, self.weight[...], self.scale[...],
-                           use_kernel=self.use_kernel).astype(self.dtype)
+        return _matmul(x, self.weight[...], self.scale[...], self.activations,
+                       self.use_kernel).astype(self.dtype)
 
 
 def _quantized(w: jax.Array, spec: tuple, mesh):
@@ -102,20 +122,30 @@ class QuantizationMethod:
 class Int8WeightOnly(QuantizationMethod):
     """Symmetric per-output-channel int8 weights (`QuantizedLinear`, `QuantizedEmbed`)."""
 
+    activations = "float"  # how the layers take their input (`QuantizedLinear`)
+
     def linear(self, layer: nnx.Linear) -> QuantizedLinear:
         spec = layer.kernel.get_metadata().get("out_sharding") or (None, None)
         weight_spec = spec[::-1]  # the kernel f[K, N] transposed
         weight, scale = _quantized(layer.kernel[...].T, weight_spec, self.mesh)
         return QuantizedLinear(weight, scale, layer.bias, spec=weight_spec,
-                               use_kernel=self.use_kernel)
+                               use_kernel=self.use_kernel, activations=self.activations)
 
     def embed(self, layer: nnx.Embed) -> QuantizedEmbed:
         weight, scale = _quantized(layer.embedding[...], (MODEL_AXIS, None), self.mesh)
-        return QuantizedEmbed(weight, scale, layer.dtype, use_kernel=self.use_kernel)
+        return QuantizedEmbed(weight, scale, layer.dtype, use_kernel=self.use_kernel,
+                              activations=self.activations)
+
+
+class W8A8(Int8WeightOnly):
+    """`Int8WeightOnly`'s weights, and each layer's input quantized per token (`w8a8_matmul`)."""
+
+    activations = "int8"
 
 
 # The schemes `LLM(quantization=...)` accepts, by name (None: the float weights as loaded).
-QUANTIZATION_METHODS: dict[str, type[QuantizationMethod]] = {"int8": Int8WeightOnly}
+QUANTIZATION_METHODS: dict[str, type[QuantizationMethod]] = {"int8": Int8WeightOnly,
+                                                             "w8a8": W8A8}
 
 
 def check_quantization(method: str | None) -> None:

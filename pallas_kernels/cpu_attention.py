@@ -37,15 +37,17 @@ from jaxpaged.pallas_kernels.reference import QuantizedKVCache
 logger = logging.getLogger(__name__)
 
 # Every C++ kernel, compiled into one library: the paged attention here, the weight-only int8
-# matmul (`quantized_matmul`), the float32 few-row matmul (`few_row_matmul`) and the LoRA
-# adapters' products by slot (`lora_matmul`).
+# and the W8A8 matmuls (`quantized_matmul`), the float32 few-row matmul (`few_row_matmul`) and
+# the LoRA adapters' products by slot (`lora_matmul`).
 _SOURCES = (Path(__file__).parent / "csrc" / "paged_attention_cpu.cc",
             Path(__file__).parent / "csrc" / "int8_matmul_cpu.cc",
             Path(__file__).parent / "csrc" / "f32_matmul_cpu.cc",
-            Path(__file__).parent / "csrc" / "lora_matmul_cpu.cc")
+            Path(__file__).parent / "csrc" / "lora_matmul_cpu.cc",
+            Path(__file__).parent / "csrc" / "w8a8_matmul_cpu.cc")
 _TARGET = "jaxpaged_paged_attention"
 _QUANTIZED_TARGET = "jaxpaged_paged_attention_quantized"
 INT8_MATMUL_TARGET = "jaxpaged_int8_matmul"
+W8A8_MATMUL_TARGET = "jaxpaged_w8a8_matmul"
 F32_MATMUL_KN_TARGET = "jaxpaged_f32_matmul_kn"
 F32_MATMUL_NK_TARGET = "jaxpaged_f32_matmul_nk"
 LORA_MATMUL_TARGET = "jaxpaged_lora_matmul"
@@ -56,6 +58,7 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC
 # Where the library is built, which compiler and whether the kernels may be used at all:
 # set by `configure` (kernels read no environment; `jaxpaged.platforms` passes it in).
 _settings: dict = {"build_dir": None, "compiler": None, "enabled": True}
+_library: dict = {}  # "lib": the loaded kernels, once `available()`
 
 
 def configure(build_dir: str | os.PathLike, compiler: str | None = None,
@@ -132,7 +135,20 @@ def available() -> bool:
                                 jax.ffi.pycapsule(lib.JaxpagedF32MatmulNK), platform="cpu")
     jax.ffi.register_ffi_target(LORA_MATMUL_TARGET,
                                 jax.ffi.pycapsule(lib.JaxpagedLoraMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(W8A8_MATMUL_TARGET,
+                                jax.ffi.pycapsule(lib.JaxpagedW8A8Matmul), platform="cpu")
+    _library["lib"] = lib
     return True
+
+
+def w8a8_isa() -> str | None:
+    """The path the W8A8 kernel takes on this CPU ("avx512-vnni" or "portable", checked at run
+    time), or None where the kernels are not built."""
+    if not available():
+        return None
+    fn = _library["lib"].JaxpagedW8A8Isa
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
 
 
 def _check_call(sliding_window: int | None, soft_cap: float | None) -> None:

@@ -61,6 +61,13 @@ def _uses_kernel(model: nnx.Module, flag: str) -> bool:
     return any(getattr(node, flag, False) for _, node in nnx.iter_graph(model))
 
 
+def _quantized_activations(model: nnx.Module) -> list[str]:
+    """How the quantized layers take their input (`models.quantization`: "float" weight-only,
+    "int8" W8A8): the same parameters, another program."""
+    return sorted({node.activations for _, node in nnx.iter_graph(model)
+                   if isinstance(getattr(node, "activations", None), str)})
+
+
 class ModelRunner:
     def __init__(self, model: nnx.Module, cache_config: CacheConfig, num_blocks: int,
                  kv_cache_dtype: str, eos_token_ids: set[int] = frozenset(),
@@ -125,6 +132,7 @@ class ModelRunner:
             f"invariant={getattr(self.backend, 'invariant', False)}",
             f"few_row_kernel={_uses_kernel(model, 'few_row_kernel')}",
             f"lora_kernel={_uses_kernel(model, 'lora_kernel')}",
+            f"activations={_quantized_activations(model)}",
             repr(None if self.mesh is None else self.mesh.devices.tolist())),
             None if self.mesh is None else list(self.mesh.devices.flat))
         # Test-only: called with each `SchedulerOutput` at the start of `execute`; a hook that
