@@ -26,10 +26,6 @@ sys.path.insert(0, str(BENCH))
 from report import portable_config  # noqa: E402
 from sharegpt import sample_requests  # noqa: E402
 
-# Off the path again: bench/kernels.py would stand in for the `kernels` package that
-# transformers imports when it finds one.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
-
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

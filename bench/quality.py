@@ -5,8 +5,9 @@ batch 1, and resident memory when serving a GGUF file directly.
     python bench/quality.py --modes int8 kv-int8
 
 Modes: "float32" (the reference), "int8" (weight-only int8, `LLM(quantization="int8")`),
-"kv-int8" and "kv-fp8" (`kv_cache_dtype`), and "gguf" (the model's GGUF file served directly,
-int8) when the model is an embedded one.
+"w8a8" (int8 activations too, `LLM(quantization="w8a8")`), "kv-int8" and "kv-fp8"
+(`kv_cache_dtype`), and "gguf" (the model's GGUF file served directly, with the default
+quantization for GGUF files) when the model is an embedded one.
 
 Quality, each mode against float32 on the same tokens:
 - KL divergence per token, teacher forced: 64 ShareGPT conversations (prompt then the
@@ -51,7 +52,7 @@ GOLDEN_PROMPTS = [
     "crew, the spacecraft, the landing site and what they brought back to Earth for study.",
 ]
 
-MODES = {"float32": {}, "int8": dict(quantization="int8"),
+MODES = {"float32": {}, "int8": dict(quantization="int8"), "w8a8": dict(quantization="w8a8"),
          "kv-int8": dict(kv_cache_dtype="int8"), "kv-fp8": dict(kv_cache_dtype="fp8"),
          "gguf": {}}
 

@@ -11,12 +11,19 @@ the kernels do not look at the backend themselves.
 W8A8 quantizes the activations too, per row (per token) and symmetric as the weights
 (`quantize_int8`), on the fly at every call, and sums the int8 products in int32: the product
 SmoothQuant (Xiao et al., 2023, section 3) calls per-token activation with per-channel weight
-quantization. The int8 dot is XLA's (on CPU, YNNPACK's int8 GEMM, which uses the CPU's int8
-dot-product instructions); for steps of up to `W8A8_KERNEL_MAX_ROWS` tokens, where XLA's int8
-dot is slow (it repacks the weights), the C++ kernel (`csrc/w8a8_matmul_cpu.cc`) reads the
-weights in place with the AVX-512 VNNI dot product where the CPU has it, or a portable loop with
-the same int32 sums. The sums are exact, so every path equals the jnp reference bit for bit, and
-a row's output does not depend on the other rows of its step.
+quantization. One int8 term per token loses too much on small models, whose activations have a
+few outlier features (mean KL 0.03 against float32 on SmolLM2-135M, `bench/results/`), so the
+activations are `W8A8_ACTIVATION_TERMS` int8 terms: the second quantizes, per token, the first's
+rounding error (`quantize_activations`), which cuts the error bound 127-fold for a second int8
+product over the same weights (the terms are stacked as extra rows of one int8 matmul).
+
+The int8 dot is XLA's (on CPU, YNNPACK's int8 GEMM, which uses the CPU's int8 dot-product
+instructions); for steps of up to `W8A8_KERNEL_MAX_ROWS` tokens, where XLA's int8 dot is slow
+(it repacks the weights), the C++ kernel (`csrc/w8a8_matmul_cpu.cc`) reads the weights in place
+with the AVX-512 VNNI dot product where the CPU has it, or a portable loop with the same int32
+sums. The int32 sums are exact and the scaling after them is the same XLA code on every path, so
+every path gives the same bits, and a row's output does not depend on the other rows of its
+step.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from jaxpaged.pallas_kernels import cpu_attention
 # Steps of up to this many rows take the C++ W8A8 kernel (where the caller allows it); larger
 # ones XLA's int8 dot (`bench/results/w8a8-matmul.json`).
 W8A8_KERNEL_MAX_ROWS = 2
+# int8 terms per activation row in `w8a8_matmul` (1: plain per-token int8).
+W8A8_ACTIVATION_TERMS = 2
 
 
 def int8_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
@@ -93,55 +102,73 @@ def int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *,
     return call(x2, w, scale.astype(jnp.float32)).reshape(*lead, w.shape[0])
 
 
-def w8a8_matmul_reference(xq: jax.Array, sx: jax.Array, w: jax.Array,
-                          scale: jax.Array) -> jax.Array:
-    """Pure jnp: the int8 product of quantized operands, summed in int32, then scaled:
-    `float(xq @ w.T) * (sx[m] * scale[n])`.
+def int8_dot_reference(xq: jax.Array, w: jax.Array) -> jax.Array:
+    """Pure jnp (XLA's int8 dot): `xq @ w.T` summed exactly in int32.
 
     Args:
-      xq: i8[M, K] activations quantized per row; sx: f32[M] their scales.
-      w: i8[N, K] weights; scale: f32[N] per-output scales.
+      xq: i8[M, K] activations quantized per row; w: i8[N, K] weights.
 
     Returns:
-      f32[M, N].
+      i32[M, N].
     """
-    acc = jnp.einsum("mk,nk->mn", xq, w, preferred_element_type=jnp.int32)
-    return acc.astype(jnp.float32) * (sx[:, None] * scale[None, :])
+    return jnp.einsum("mk,nk->mn", xq, w, preferred_element_type=jnp.int32)
 
 
-def w8a8_kernel(xq: jax.Array, sx: jax.Array, w: jax.Array, scale: jax.Array, *,
-                portable: bool = False) -> jax.Array:
-    """`w8a8_matmul_reference` by the C++ kernel, any number of rows (call where
+def int8_dot_kernel(xq: jax.Array, w: jax.Array, *, portable: bool = False) -> jax.Array:
+    """`int8_dot_reference` by the C++ kernel, any number of rows (call where
     `cpu_attention.available()`); `portable`: its portable path even where the CPU has VNNI
-    (tests; the same results)."""
+    (tests; the same sums)."""
     call = jax.ffi.ffi_call(cpu_attention.W8A8_MATMUL_TARGET,
-                            jax.ShapeDtypeStruct((xq.shape[0], w.shape[0]), jnp.float32))
-    return call(xq, sx, w, scale.astype(jnp.float32), portable=portable)
+                            jax.ShapeDtypeStruct((xq.shape[0], w.shape[0]), jnp.int32))
+    return call(xq, w, portable=portable)
 
 
-@functools.partial(jax.jit, static_argnames=("use_kernel",))
-def w8a8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *,
-                use_kernel: bool = False) -> jax.Array:
-    """W8A8: x quantized per row (`quantize_int8`), times the int8 weights in int32, scaled:
-    `w8a8_matmul_reference(*quantize_int8(x), w, scale)`; by the C++ kernel for steps of up to
-    `W8A8_KERNEL_MAX_ROWS` rows where `use_kernel`.
+def quantize_activations(x: jax.Array, terms: int = W8A8_ACTIVATION_TERMS
+                         ) -> tuple[jax.Array, jax.Array]:
+    """x f[M, K] as `terms` int8 terms per row: (i8[terms * M, K], f32[terms * M]), term t of
+    row m at row t * M + m, with `x ~= sum_t q[t * M + m] * s[t * M + m]`. Term 0 is
+    `quantize_int8(x)`; each further term quantizes what the terms before it leave, so
+    `|x - sum_t q s| <= s_last / 2` per element."""
+    x = x.astype(jnp.float32)
+    q, s = quantize_int8(x)
+    qs, ss = [q], [s]
+    for _ in range(terms - 1):
+        x = x - q.astype(jnp.float32) * s[:, None]
+        q, s = quantize_int8(x)
+        qs.append(q)
+        ss.append(s)
+    return jnp.concatenate(qs), jnp.concatenate(ss)
+
+
+@functools.partial(jax.jit, static_argnames=("use_kernel", "terms"))
+def w8a8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, use_kernel: bool = False,
+                terms: int = W8A8_ACTIVATION_TERMS) -> jax.Array:
+    """W8A8: x as int8 terms per row (`quantize_activations`), each times the int8 weights
+    summed exactly in int32 (`int8_dot_reference`; by the C++ kernel for steps of up to
+    `W8A8_KERNEL_MAX_ROWS` rows where `use_kernel`), scaled `float(acc) * (sx * scale)`, the
+    terms added in order.
 
     Args:
       x: f[..., K] activations (any float dtype; quantized from float32).
       w: i8[N, K] weights; scale: f32[N] per-output scales.
       use_kernel: the C++ kernel may run (CPU only, where `cpu_attention.available()`).
+      terms: int8 terms per activation row (1: plain per-token int8).
 
     Returns:
-      f32[..., N], equal to the reference bit for bit on every path.
+      f32[..., N], the same bits on every path: the paths differ only in the int32 sums,
+      which are exact.
 
     Raises:
       ValueError: mismatched shapes or dtypes.
     """
     _check_operands("w8a8_matmul", x, w, scale)
     lead = x.shape[:-1]
-    xq, sx = quantize_int8(x.reshape(-1, x.shape[-1]))
-    if use_kernel and xq.shape[0] <= W8A8_KERNEL_MAX_ROWS:
-        y = w8a8_kernel(xq, sx, w, scale)
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, sx = quantize_activations(x2, terms)
+    if use_kernel and x2.shape[0] <= W8A8_KERNEL_MAX_ROWS:
+        acc = int8_dot_kernel(xq, w)
     else:
-        y = w8a8_matmul_reference(xq, sx, w, scale)
+        acc = int8_dot_reference(xq, w)
+    y = acc.astype(jnp.float32) * (sx[:, None] * scale.astype(jnp.float32)[None, :])
+    y = functools.reduce(jnp.add, jnp.split(y, terms))
     return y.reshape(*lead, w.shape[0])

@@ -61,11 +61,11 @@ def _uses_kernel(model: nnx.Module, flag: str) -> bool:
     return any(getattr(node, flag, False) for _, node in nnx.iter_graph(model))
 
 
-def _quantized_activations(model: nnx.Module) -> list[str]:
-    """How the quantized layers take their input (`models.quantization`: "float" weight-only,
-    "int8" W8A8): the same parameters, another program."""
-    return sorted({node.activations for _, node in nnx.iter_graph(model)
-                   if isinstance(getattr(node, "activations", None), str)})
+def _quantized_activations(model: nnx.Module) -> str:
+    """How each quantized layer takes its input, in graph order (`models.quantization`: "float"
+    weight-only, "int8" W8A8): the same parameters, another program."""
+    return ",".join(node.activations for _, node in nnx.iter_graph(model)
+                    if isinstance(getattr(node, "activations", None), str))
 
 
 class ModelRunner:

@@ -1,13 +1,12 @@
-// W8A8 int8 matmul for XLA on CPU (an XLA FFI custom call): int8 activations times int8
-// weights with int32 accumulation, `quantized_matmul.w8a8_matmul`.
+// The int8 dot of W8A8 for XLA on CPU (an XLA FFI custom call): int8 activations times int8
+// weights summed in int32, `quantized_matmul.int8_dot`.
 //
-//   y[m, n] = float(sum_k xq[m, k] * w[n, k]) * (sx[m] * sw[n])
+//   acc[m, n] = sum_k xq[m, k] * w[n, k]
 //
-// xq/sx are the activations quantized per row (per token) by the caller, w/sw the weights
-// quantized per output channel (both symmetric, in [-127, 127]). The sum is exact in int32, so
-// the result does not depend on how rows are tiled or which path runs: it equals the jnp
-// reference `int8 dot -> int32 -> float` bit for bit, and a row's output does not depend on
-// the other rows of the step.
+// xq are the activations quantized per row (per token) by the caller, w the weights quantized
+// per output channel (both symmetric, in [-127, 127]); the caller applies the scales. The sum
+// is exact in int32, so it equals XLA's int8 dot bit for bit whichever path runs, and a row's
+// sums do not depend on the other rows of the step.
 //
 // It serves the steps of one or two tokens (a decode of one sequence), where the weights are
 // read once per token and memory bandwidth decides; larger steps are XLA's int8 dot, which
@@ -25,8 +24,8 @@
 // A task is a block of kColBlock output columns over every row of x; tasks are shared with
 // XLA's intra-op thread pool.
 //
-// Inputs: xq s8[M, K], sx f32[M], w s8[N, K], sw f32[N]. Attribute `portable` (bool): take the
-// portable path even where VNNI exists (tests). Output: y f32[M, N].
+// Inputs: xq s8[M, K], w s8[N, K]. Attribute `portable` (bool): take the portable path even
+// where VNNI exists (tests). Output: acc s32[M, N].
 
 #include <algorithm>
 #include <atomic>
@@ -63,20 +62,10 @@ bool HasVnni() {
 #endif
 }
 
-// The scale of an output, sx * sw, computed before it multiplies the sum: -ffast-math would
-// otherwise be free to reassociate `sum * (sx * sw)` into `(sum * sx) * sw`, which rounds
-// differently from the jnp reference.
-inline float Scale(float a, float b) {
-  volatile float s = a * b;
-  return s;
-}
-
 struct Work {
   const int8_t* xq;
-  const float* sx;
   const int8_t* w;
-  const float* sw;
-  float* y;
+  int32_t* y;
   int64_t M, N, K;
   bool vnni;
   std::vector<int32_t> rowsum;  // sum_k xq[m, k]
@@ -103,13 +92,13 @@ struct Work {
         int32_t acc = 0;
 #pragma omp simd reduction(+ : acc)
         for (int64_t k = 0; k < K; ++k) acc += int32_t(xr[k]) * int32_t(wr[k]);
-        y[m * N + n] = float(acc) * Scale(sx[m], sw[n]);
+        y[m * N + n] = acc;
       }
     }
   }
 
 #ifdef JAXPAGED_X86
-  // y[m, n .. n + nc) for nc <= kGemvCols outputs, 64 bytes of K per instruction.
+  // acc[m, n .. n + nc) for nc <= kGemvCols outputs, 64 bytes of K per instruction.
   JAXPAGED_VNNI void GemvTile(int64_t m, int64_t n, int64_t nc, const int8_t* ahead,
                               int64_t ahead_bytes) {
     const int8_t* x = xq + m * K;
@@ -133,7 +122,7 @@ struct Work {
     }
     const int32_t bias = 128 * rowsum[m];
     for (int64_t j = 0; j < nc; ++j)
-      y[m * N + n + j] = float(_mm512_reduce_add_epi32(acc[j]) - bias) * Scale(sx[m], sw[n + j]);
+      y[m * N + n + j] = _mm512_reduce_add_epi32(acc[j]) - bias;
   }
 
   void VnniTask(int64_t n0, int64_t n1) {
@@ -161,21 +150,15 @@ struct Work {
 };
 
 ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
-                          ffi::Buffer<ffi::F32> sx, ffi::Buffer<ffi::S8> w,
-                          ffi::Buffer<ffi::F32> sw, ffi::ResultBuffer<ffi::F32> y,
+                          ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::S32> y,
                           bool portable) {
   auto xd = xq.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] ||
-      static_cast<int64_t>(sx.element_count()) != xd[0] ||
-      static_cast<int64_t>(sw.element_count()) != wd[0])
-    return ffi::Error::InvalidArgument(
-        "w8a8_matmul_cpu: xq must be [M, K], sx [M], w [N, K] and sw [N]");
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("w8a8_matmul_cpu: xq must be [M, K] and w [N, K]");
   auto work = std::make_shared<Work>();
   work->xq = reinterpret_cast<const int8_t*>(xq.typed_data());
-  work->sx = sx.typed_data();
   work->w = reinterpret_cast<const int8_t*>(w.typed_data());
-  work->sw = sw.typed_data();
   work->y = y->typed_data();
   work->M = xd[0];
   work->N = wd[0];
@@ -200,8 +183,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedW8A8Matmul, W8A8MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S8>>()   // xq
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sx
                                   .Arg<ffi::Buffer<ffi::S8>>()   // w
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sw
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // acc
                                   .Attr<bool>("portable"));

@@ -10,7 +10,7 @@ On CPU (no GPU): a dry run on tiny shapes with the kernels interpreted, checking
 kernel agrees with the reference and that the script and its JSON work; timings there are
 meaningless and are labelled so.
 
-    python bench/kernels.py            # GPU: full table; CPU: dry run
+    python bench/kernel_table.py            # GPU: full table; CPU: dry run
 """
 
 from __future__ import annotations
