@@ -330,7 +330,7 @@ def test_bad_quantization_options_are_named(tiny_model_dir):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_gguf_file_runs_directly(make_llm, tmp_path, monkeypatch, qtype):
-    """A GGUF whose linear layers are all Q8_0 (or Q4_K) serves from the file (int8 weights,
+    """A GGUF whose linear layers are all Q8_0 (or Q4_K) serves from the file (W8A8,
     no safetensors written) with the greedy ids of an engine on its imported float32 folder
     where margins are large."""
     import torch
@@ -353,7 +353,7 @@ def test_gguf_file_runs_directly(make_llm, tmp_path, monkeypatch, qtype):
     import_gguf(path, imported, progress=False)
 
     direct = make_llm(str(path), compilation_cache_dir=None)
-    assert direct.llm_engine.quantization == "int8"
+    assert direct.llm_engine.quantization == "w8a8"  # the default for a GGUF file
     assert not list((tmp_path / "home").rglob("*.safetensors"))
     floats = make_llm(imported, compilation_cache_dir=None)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)

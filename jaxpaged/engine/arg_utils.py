@@ -141,8 +141,9 @@ class EngineArgs:
         "ids and logprobs whatever shares a step, chunking, prefix caching or preemption (CPU: "
         "the cpu or xla attention backend)")
     quantization: str | None = _option(
-        "auto", "quantization.method", "weight-only int8 for the linear layers and the "
-        "embedding (auto: int8 for a GGUF file, else none)", flags=("-q",),
+        "auto", "quantization.method", "int8 weights for the linear layers and the embedding: "
+        "int8 (weight-only) or w8a8 (int8 activations too); auto: w8a8 for a GGUF file, else "
+        "none", flags=("-q",),
         choices=_LiveChoices(("auto", None), QUANTIZATION_METHODS))
     speculative_config: dict | str | None = _option(
         None, "speculative", "speculative decoding, vLLM's keys as a dict or JSON: "
@@ -264,7 +265,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The resolved, frozen configuration: the model folder (`resolve_model`: the embedded
         default is prepared on first use), `max_model_len` from the model's config when not
-        given, "auto" quantization (int8 for a GGUF file) and the speculative config parsed.
+        given, "auto" quantization (w8a8 for a GGUF file) and the speculative config parsed.
 
         Raises:
           ValueError: an unknown model, or values that do not fit together (named).
@@ -287,7 +288,7 @@ class EngineArgs:
             scheduler["max_model_len"] = load_config(model_dir).max_position_embeddings
         quantization = sections["quantization"]
         if quantization["method"] == "auto":
-            quantization["method"] = ("int8" if self.model is not None
+            quantization["method"] = ("w8a8" if self.model is not None
                                       and os.fspath(self.model).endswith(".gguf") else None)
         execution = sections["execution"]
         if isinstance(execution["compilation_cache_dir"], os.PathLike):

@@ -16,7 +16,7 @@
 // no widening. Its first operand is unsigned: the weights are offset by 128 in registers
 // (w ^ 0x80 == w + 128 as a u8), and 128 * sum_k xq[m, k] is subtracted from each row's sums
 // at the end. Each output is a dot product along K, 64 weight bytes per instruction straight
-// from memory, kGemvCols rows of w side by side, the tiles ahead prefetched (the hardware
+// from memory (once for two rows of x), kGemvCols rows of w side by side, the tiles ahead prefetched (the hardware
 // prefetcher does not follow short rows read side by side). Without VNNI the portable path
 // computes the same int32 sums with plain loops (which the compiler vectorizes for the machine
 // it builds on): the same results, slower.
@@ -98,15 +98,17 @@ struct Work {
   }
 
 #ifdef JAXPAGED_X86
-  // acc[m, n .. n + nc) for nc <= kGemvCols outputs, 64 bytes of K per instruction.
+  // acc[m .. m + R, n .. n + nc) for nc <= kGemvCols outputs, 64 bytes of K per
+  // instruction, each weight vector loaded once for the R rows.
+  template <int R>
   JAXPAGED_VNNI void GemvTile(int64_t m, int64_t n, int64_t nc, const int8_t* ahead,
                               int64_t ahead_bytes) {
-    const int8_t* x = xq + m * K;
     const int8_t* wr[kGemvCols];
     for (int64_t j = 0; j < kGemvCols; ++j) wr[j] = w + (n + std::min(j, nc - 1)) * K;
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512i acc[kGemvCols];
-    for (int j = 0; j < kGemvCols; ++j) acc[j] = _mm512_setzero_si512();
+    __m512i acc[R][kGemvCols];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kGemvCols; ++j) acc[r][j] = _mm512_setzero_si512();
     const int64_t steps = std::max<int64_t>(1, (K + 63) / 64);
     const int64_t pf_step = 64 * ((ahead_bytes / 64 + steps - 1) / steps);
     int64_t pf = 0;
@@ -114,23 +116,30 @@ struct Work {
       for (const int64_t end = std::min(ahead_bytes, pf + pf_step); pf < end; pf += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead) + pf, _MM_HINT_T0);
       const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
-      const __m512i xv = _mm512_maskz_loadu_epi8(mask, x + k);  // zero past K
-      for (int j = 0; j < kGemvCols; ++j) {
+      __m512i xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_epi8(mask, xq + (m + r) * K + k);
+      for (int j = 0; j < kGemvCols; ++j) {  // zero past K, in x and in w
         const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, wr[j] + k), offset);
-        acc[j] = _mm512_dpbusd_epi32(acc[j], wv, xv);
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], wv, xv[r]);
       }
     }
-    const int32_t bias = 128 * rowsum[m];
-    for (int64_t j = 0; j < nc; ++j)
-      y[m * N + n + j] = _mm512_reduce_add_epi32(acc[j]) - bias;
+    for (int r = 0; r < R; ++r) {
+      const int32_t bias = 128 * rowsum[m + r];
+      for (int64_t j = 0; j < nc; ++j)
+        y[(m + r) * N + n + j] = _mm512_reduce_add_epi32(acc[r][j]) - bias;
+    }
   }
 
   void VnniTask(int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; ++m)
+    for (int64_t m = 0; m < M; m += 2)  // rows in pairs: each weight read once per pair
       for (int64_t n = n0; n < n1; n += kGemvCols) {
         const int64_t a0 = std::min(N, n + kPrefetchTiles * kGemvCols);
         const int64_t a1 = std::min(N, a0 + kGemvCols);
-        GemvTile(m, n, std::min(kGemvCols, n1 - n), w + a0 * K, (a1 - a0) * K);
+        const int64_t nc = std::min(kGemvCols, n1 - n);
+        if (m + 1 < M)
+          GemvTile<2>(m, n, nc, w + a0 * K, (a1 - a0) * K);
+        else
+          GemvTile<1>(m, n, nc, w + a0 * K, (a1 - a0) * K);
       }
   }
 #endif
