@@ -12,7 +12,10 @@ way, one scale per vocabulary row: the embedding is a fifth of a 135M model's we
 "w8a8" keeps the same int8 weights and also quantizes each layer's input per token, on the fly
 (`w8a8_matmul`): the product is summed in int32, which the CPU's VNNI instructions do at four
 times float32's multiply-adds per instruction. The tied LM head (`QuantizedEmbed.attend`) does
-the same. Integer sums are exact, so a token's outputs do not depend on the rest of its step.
+the same. Steps of one or two tokens on the CPU kernels stay weight-only, which is faster
+there (the weights are read once either way, and the activations need no quantizing), except
+in batch-invariant mode: W8A8's integer sums are exact, so a token's outputs then do not
+depend on the rest of its step.
 
 Under tensor parallelism the weights keep their layer's split (column-parallel on N,
 row-parallel on K) and the matmul runs as jnp, partitioned by XLA; the C++ kernel serves one
@@ -21,13 +24,16 @@ device.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS
-from jaxpaged.pallas_kernels.quantized_matmul import int8_matmul, quantize_int8, w8a8_matmul
+from jaxpaged.pallas_kernels.quantized_matmul import (W8A8_KERNEL_MAX_ROWS, int8_matmul,
+                                                      quantize_int8, w8a8_matmul)
 
 def _param(value, spec: tuple) -> nnx.Param:
     with nnx.use_eager_sharding(False):
@@ -37,8 +43,12 @@ def _param(value, spec: tuple) -> nnx.Param:
 def _matmul(x: jax.Array, w: jax.Array, scale: jax.Array, activations: str,
             use_kernel: bool) -> jax.Array:
     """f32[..., N]: x times the int8 weights, x kept in float ("float") or quantized per token
-    ("int8", W8A8)."""
-    if activations == "int8":
+    ("int8", W8A8); "auto": W8A8, except steps of up to `W8A8_KERNEL_MAX_ROWS` tokens on the C++
+    kernels, which read the weights once whatever the activations and are faster weight-only
+    (no activation quantization to pay for)."""
+    rows = math.prod(x.shape[:-1])
+    if activations == "int8" or (activations == "auto"
+                                 and not (use_kernel and rows <= W8A8_KERNEL_MAX_ROWS)):
         return w8a8_matmul(x, w, scale, use_kernel=use_kernel)
     return int8_matmul(x, w, scale, use_kernel=use_kernel)
 
@@ -47,8 +57,9 @@ class QuantizedLinear(nnx.Module):
     """A linear layer with int8 weights: `y = (x @ weight.T) * scale + bias`, in x's dtype.
 
     weight: i8[N, K] laid out by `spec` over the mesh; scale: f32[N] by its first axis; bias:
-    f[N] or None (kept as it was). `activations`: "float" (weight-only) or "int8" (x quantized
-    per token, W8A8).
+    f[N] or None (kept as it was). `activations`: "float" (weight-only), "int8" (x quantized
+    per token, W8A8) or "auto" (W8A8 but for steps of one or two tokens on the CPU kernels,
+    `_matmul`).
     """
 
     def __init__(self, weight: jax.Array, scale: jax.Array, bias, *, spec: tuple,
@@ -102,15 +113,18 @@ def _quantized(w: jax.Array, spec: tuple, mesh):
 class QuantizationMethod:
     """A weight quantization scheme: how a loaded float layer becomes a quantized one.
 
-    Built once per model as `cls(mesh=..., use_kernel=...)`: `mesh` is the tensor-parallel mesh
-    (None: one device) and `use_kernel` whether the platform's C++ matmul serves this model.
+    Built once per model as `cls(mesh=..., use_kernel=..., batch_invariant=...)`: `mesh` is the
+    tensor-parallel mesh (None: one device), `use_kernel` whether the platform's C++ matmul
+    serves this model, `batch_invariant` whether a row must be computed one way whatever the
+    step's size.
     `linear` and `embed` return the layer that replaces theirs, or None to keep it. Register a
     scheme with one line: `QUANTIZATION_METHODS["name"] = MyMethod`.
     """
 
-    def __init__(self, *, mesh=None, use_kernel: bool = False):
+    def __init__(self, *, mesh=None, use_kernel: bool = False, batch_invariant: bool = False):
         self.mesh = mesh
         self.use_kernel = use_kernel
+        self.batch_invariant = batch_invariant
 
     def linear(self, layer: nnx.Linear) -> nnx.Module | None:
         return None
@@ -122,7 +136,10 @@ class QuantizationMethod:
 class Int8WeightOnly(QuantizationMethod):
     """Symmetric per-output-channel int8 weights (`QuantizedLinear`, `QuantizedEmbed`)."""
 
-    activations = "float"  # how the layers take their input (`QuantizedLinear`)
+    @property
+    def activations(self) -> str:
+        """How the layers take their input (`QuantizedLinear`)."""
+        return "float"
 
     def linear(self, layer: nnx.Linear) -> QuantizedLinear:
         spec = layer.kernel.get_metadata().get("out_sharding") or (None, None)
@@ -138,9 +155,13 @@ class Int8WeightOnly(QuantizationMethod):
 
 
 class W8A8(Int8WeightOnly):
-    """`Int8WeightOnly`'s weights, and each layer's input quantized per token (`w8a8_matmul`)."""
+    """`Int8WeightOnly`'s weights, and each layer's input quantized per token (`w8a8_matmul`);
+    weight-only for steps of one or two tokens on the CPU kernels ("auto"), except in
+    batch-invariant mode, where every step is W8A8."""
 
-    activations = "int8"
+    @property
+    def activations(self) -> str:
+        return "int8" if self.batch_invariant else "auto"
 
 
 # The schemes `LLM(quantization=...)` accepts, by name (None: the float weights as loaded).
@@ -156,11 +177,13 @@ def check_quantization(method: str | None) -> None:
 
 
 def quantize_model(model: nnx.Module, method: str | None, *, embeddings: bool = True,
-                   mesh=None, use_kernel: bool = False) -> nnx.Module:
+                   mesh=None, use_kernel: bool = False,
+                   batch_invariant: bool = False) -> nnx.Module:
     """Replaces `model`'s `nnx.Linear` layers (and with `embeddings` its `nnx.Embed`) by
     `method`'s quantized ones (`QUANTIZATION_METHODS`), in place, and returns it; the float
     weights are then free. `method` None: no change. `use_kernel`: the quantized layers run the
-    C++ matmul (one CPU device; the caller asks the platform).
+    C++ matmul (one CPU device; the caller asks the platform). `batch_invariant`: the engine's
+    mode (a scheme may compute a row one way only).
 
     Raises:
       ValueError: an unknown `method`.
@@ -168,7 +191,8 @@ def quantize_model(model: nnx.Module, method: str | None, *, embeddings: bool = 
     check_quantization(method)
     if method is None:
         return model
-    scheme = QUANTIZATION_METHODS[method](mesh=mesh, use_kernel=use_kernel and mesh is None)
+    scheme = QUANTIZATION_METHODS[method](mesh=mesh, use_kernel=use_kernel and mesh is None,
+                                          batch_invariant=batch_invariant)
     for path, node in list(nnx.iter_graph(model)):
         if isinstance(node, nnx.Linear):
             new = scheme.linear(node)

@@ -390,3 +390,49 @@ def test_8bit_pool_keeps_batch_invariance(make_llm, head64_model_dir):
     chunked = make_llm(head64_model_dir, max_num_batched_tokens=16,
                        long_prefill_token_threshold=8, **kw)
     assert run(chunked, [0, 1, 2]) == alone
+
+
+@needs_kernel
+def test_w8a8_layers_are_weight_only_for_one_or_two_tokens_but_in_batch_invariant_mode():
+    """"auto" (`quantization="w8a8"`): steps of up to W8A8_KERNEL_MAX_ROWS tokens on the kernels
+    take the weight-only matmul, larger ones W8A8; "int8" (batch-invariant mode) is W8A8 at
+    every size."""
+    from jaxpaged.models.quantization import W8A8, _matmul
+    from jaxpaged.pallas_kernels.quantized_matmul import W8A8_KERNEL_MAX_ROWS
+
+    x, w, scale = _w8a8_operands(W8A8_KERNEL_MAX_ROWS + 1, 64, 96)
+    small, large = x[:W8A8_KERNEL_MAX_ROWS], x
+    assert W8A8(use_kernel=True).activations == "auto"
+    assert W8A8(use_kernel=True, batch_invariant=True).activations == "int8"
+    np.testing.assert_array_equal(_matmul(small, w, scale, "auto", True),
+                                  int8_matmul(small, w, scale, use_kernel=True))
+    np.testing.assert_array_equal(_matmul(large, w, scale, "auto", True),
+                                  w8a8_matmul(large, w, scale, use_kernel=True))
+    np.testing.assert_array_equal(_matmul(small, w, scale, "int8", True),
+                                  w8a8_matmul(small, w, scale, use_kernel=True))
+
+
+@needs_kernel
+def test_w8a8_keeps_batch_invariance(make_llm, head64_model_dir):
+    """With W8A8 weights in batch-invariant mode, results stay bitwise the same alone, together
+    and chunked (integer sums: the rows of a step do not mix)."""
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(100, 20000, n).tolist()} for n in (9, 40, 23)]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+
+    def run(llm, rows):
+        outs = llm.generate([prompts[i] for i in rows], params, use_tqdm=False)
+        return {i: (o.outputs[0].token_ids,
+                    [sorted((t, lp.logprob) for t, lp in e.items()) for e in o.outputs[0].logprobs])
+                for i, o in zip(rows, outs)}
+
+    kw = dict(batch_invariant=True, quantization="w8a8", enable_prefix_caching=False,
+              compilation_cache_dir=None)
+    llm = make_llm(head64_model_dir, **kw)
+    alone = {}
+    for i in range(3):
+        alone.update(run(llm, [i]))
+    assert run(llm, [0, 1, 2]) == alone
+    chunked = make_llm(head64_model_dir, max_num_batched_tokens=16,
+                       long_prefill_token_threshold=8, **kw)
+    assert run(chunked, [0, 1, 2]) == alone

@@ -49,7 +49,8 @@ def load_engine_model(model_dir: Path, model_config: ModelConfig, dtype, backend
     the few-row and LoRA kernels where the platform uses them."""
     model = load_model_from_dir(model_dir, model_config, dtype, backend, mesh)
     model = quantize_model(model, quantization, mesh=mesh,
-                           use_kernel=INT8_MATMUL in current_platform().kernels())
+                           use_kernel=INT8_MATMUL in current_platform().kernels(),
+                           batch_invariant=batch_invariant)
     if lora.enable_lora:
         enable_lora(model, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank,
                     dtype=dtype, mesh=mesh)
