@@ -212,6 +212,13 @@ def quantize_model(model: nnx.Module, method: str | None, *, embeddings: bool = 
     return model
 
 
+def activation_modes(model: nnx.Module) -> str:
+    """How each quantized layer takes its input, in graph order ("float", "int8", "auto";
+    `QuantizedLinear`): the same parameters, another program (the step cache's key)."""
+    return ",".join(node.activations for _, node in nnx.iter_graph(model)
+                    if isinstance(node, (QuantizedLinear, QuantizedEmbed)))
+
+
 def weight_bytes(params) -> int:
     """Bytes of every array in a parameter tree (all shards of a sharded one)."""
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)))

@@ -366,10 +366,13 @@ def test_gguf_file_runs_directly(make_llm, tmp_path, monkeypatch, qtype):
 
 
 @needs_kernel
-def test_8bit_pool_keeps_batch_invariance(make_llm, head64_model_dir):
-    """With an 8-bit pool the C++ kernel attends to a step's own tokens as the pool holds them,
-    so batch-invariant results stay bitwise the same alone, together and chunked (the tiny
-    Llama with 64-feature heads, as `test_batch_invariance` runs the kernel)."""
+@pytest.mark.parametrize("options", [dict(kv_cache_dtype="int8", attention_backend="cpu"),
+                                     dict(quantization="w8a8")], ids=["kv-int8", "w8a8"])
+def test_8bit_modes_keep_batch_invariance(make_llm, head64_model_dir, options):
+    """Batch-invariant results stay bitwise the same alone, together and chunked (the tiny
+    Llama with 64-feature heads, as `test_batch_invariance` runs the kernel): with an 8-bit
+    pool the C++ kernel attends to a step's own tokens as the pool holds them; with W8A8
+    weights every step is W8A8, whose integer sums do not mix a step's rows."""
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 20000, n).tolist()} for n in (9, 40, 23)]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
@@ -380,8 +383,8 @@ def test_8bit_pool_keeps_batch_invariance(make_llm, head64_model_dir):
                     [sorted((t, lp.logprob) for t, lp in e.items()) for e in o.outputs[0].logprobs])
                 for i, o in zip(rows, outs)}
 
-    kw = dict(batch_invariant=True, kv_cache_dtype="int8", attention_backend="cpu",
-              enable_prefix_caching=False, compilation_cache_dir=None)
+    kw = dict(batch_invariant=True, enable_prefix_caching=False, compilation_cache_dir=None,
+              **options)
     llm = make_llm(head64_model_dir, **kw)
     alone = {}
     for i in range(3):
@@ -410,29 +413,3 @@ def test_w8a8_layers_are_weight_only_for_one_or_two_tokens_but_in_batch_invarian
                                   w8a8_matmul(large, w, scale, use_kernel=True))
     np.testing.assert_array_equal(_matmul(small, w, scale, "int8", True),
                                   w8a8_matmul(small, w, scale, use_kernel=True))
-
-
-@needs_kernel
-def test_w8a8_keeps_batch_invariance(make_llm, head64_model_dir):
-    """With W8A8 weights in batch-invariant mode, results stay bitwise the same alone, together
-    and chunked (integer sums: the rows of a step do not mix)."""
-    rng = np.random.default_rng(1)
-    prompts = [{"prompt_token_ids": rng.integers(100, 20000, n).tolist()} for n in (9, 40, 23)]
-    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
-
-    def run(llm, rows):
-        outs = llm.generate([prompts[i] for i in rows], params, use_tqdm=False)
-        return {i: (o.outputs[0].token_ids,
-                    [sorted((t, lp.logprob) for t, lp in e.items()) for e in o.outputs[0].logprobs])
-                for i, o in zip(rows, outs)}
-
-    kw = dict(batch_invariant=True, quantization="w8a8", enable_prefix_caching=False,
-              compilation_cache_dir=None)
-    llm = make_llm(head64_model_dir, **kw)
-    alone = {}
-    for i in range(3):
-        alone.update(run(llm, [i]))
-    assert run(llm, [0, 1, 2]) == alone
-    chunked = make_llm(head64_model_dir, max_num_batched_tokens=16,
-                       long_prefill_token_threshold=8, **kw)
-    assert run(chunked, [0, 1, 2]) == alone

@@ -31,6 +31,7 @@ from jaxpaged.config import CacheConfig
 from jaxpaged.models import ModelInput, forward
 from jaxpaged.models.loader import flat_params
 from jaxpaged.models.lora import LoRA
+from jaxpaged.models.quantization import activation_modes
 from jaxpaged.pallas_kernels import StepLimits, copy_blocks
 from jaxpaged.sample.sampler import SamplingMetadata, prompt_logprobs, sample_jit
 from jaxpaged.core.scheduler import SchedulerOutput
@@ -59,13 +60,6 @@ def _uses_kernel(model: nnx.Module, flag: str) -> bool:
     """Whether the engine turned a kernel on in `model` (a program apart): the few-row matmul
     ("few_row_kernel", `models.layers`) or the LoRA one ("lora_kernel", `models.lora.LoRA`)."""
     return any(getattr(node, flag, False) for _, node in nnx.iter_graph(model))
-
-
-def _quantized_activations(model: nnx.Module) -> str:
-    """How each quantized layer takes its input, in graph order (`models.quantization`: "float"
-    weight-only, "int8" W8A8): the same parameters, another program."""
-    return ",".join(node.activations for _, node in nnx.iter_graph(model)
-                    if isinstance(getattr(node, "activations", None), str))
 
 
 class ModelRunner:
@@ -132,7 +126,7 @@ class ModelRunner:
             f"invariant={getattr(self.backend, 'invariant', False)}",
             f"few_row_kernel={_uses_kernel(model, 'few_row_kernel')}",
             f"lora_kernel={_uses_kernel(model, 'lora_kernel')}",
-            f"activations={_quantized_activations(model)}",
+            f"activations={activation_modes(model)}",
             repr(None if self.mesh is None else self.mesh.devices.tolist())),
             None if self.mesh is None else list(self.mesh.devices.flat))
         # Test-only: called with each `SchedulerOutput` at the start of `execute`; a hook that

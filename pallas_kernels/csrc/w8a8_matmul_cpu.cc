@@ -16,10 +16,10 @@
 // no widening. Its first operand is unsigned: the weights are offset by 128 in registers
 // (w ^ 0x80 == w + 128 as a u8), and 128 * sum_k xq[m, k] is subtracted from each row's sums
 // at the end. Each output is a dot product along K, 64 weight bytes per instruction straight
-// from memory (once for two rows of x), kGemvCols rows of w side by side, the tiles ahead prefetched (the hardware
-// prefetcher does not follow short rows read side by side). Without VNNI the portable path
-// computes the same int32 sums with plain loops (which the compiler vectorizes for the machine
-// it builds on): the same results, slower.
+// from memory (once for two rows of x), kGemvCols rows of w side by side, the tiles ahead
+// prefetched (the hardware prefetcher does not follow short rows read side by side). Without
+// VNNI the portable path computes the same int32 sums with plain loops (which the compiler
+// vectorizes for the machine it builds on): the same results, slower.
 //
 // A task is a block of kColBlock output columns over every row of x; tasks are shared with
 // XLA's intra-op thread pool.
@@ -68,12 +68,13 @@ struct Work {
   int32_t* y;
   int64_t M, N, K;
   bool vnni;
-  std::vector<int32_t> rowsum;  // sum_k xq[m, k]
+  std::vector<int32_t> rowsum;  // VNNI path: sum_k xq[m, k], for the offset of the weights
   int64_t num_tasks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void Prepare() {
+    if (!vnni) return;
     rowsum.assign(M, 0);
     for (int64_t m = 0; m < M; ++m) {
       int32_t s = 0;
