@@ -5,7 +5,8 @@ batch 1, and resident memory when serving a GGUF file directly.
     python bench/quality.py --modes int8 kv-int8
 
 Modes: "float32" (the reference), "int8" (weight-only int8, `LLM(quantization="int8")`),
-"w8a8" (int8 activations too, `LLM(quantization="w8a8")`), "kv-int8" and "kv-fp8"
+"w8a8" (int8 activations too, `LLM(quantization="w8a8")`), "q8_0" (GGUF Q8_0 blocks,
+`LLM(quantization="q8_0")`), "kv-int8" and "kv-fp8"
 (`kv_cache_dtype`), and "gguf" (the model's GGUF file served directly, with the default
 quantization for GGUF files) when the model is an embedded one.
 
@@ -53,7 +54,7 @@ GOLDEN_PROMPTS = [
 ]
 
 MODES = {"float32": {}, "int8": dict(quantization="int8"), "w8a8": dict(quantization="w8a8"),
-         "kv-int8": dict(kv_cache_dtype="int8"), "kv-fp8": dict(kv_cache_dtype="fp8"),
+         "q8_0": dict(quantization="q8_0"), "kv-int8": dict(kv_cache_dtype="int8"), "kv-fp8": dict(kv_cache_dtype="fp8"),
          "gguf": {}}
 
 

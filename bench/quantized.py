@@ -13,6 +13,7 @@ repository). Engines, each on one of those two files:
   jaxpaged-float32  LLM(model=f32 file, quantization=None), max_num_seqs 32
   jaxpaged-int8     LLM(model=Q8_0 file, quantization="int8"): weight-only int8
   jaxpaged-w8a8     LLM(model=Q8_0 file, quantization="w8a8"): int8 activations too
+  jaxpaged-q8_0     LLM(model=Q8_0 file, quantization="q8_0"): the file's Q8_0 blocks as they are
   jaxpaged-default  LLM(model=Q8_0 file): what a GGUF file gets by default
 
 Workload: the 64-prompt ShareGPT set (vLLM's filter, seed 0, outputs capped at 256 tokens),
@@ -49,7 +50,7 @@ from sharegpt import sample_requests  # noqa: E402
 
 RESULTS = BENCH / "results"
 ENGINES = ["llama.cpp-f32", "llama.cpp-q8_0", "jaxpaged-float32", "jaxpaged-int8",
-           "jaxpaged-w8a8", "jaxpaged-default"]
+           "jaxpaged-w8a8", "jaxpaged-q8_0", "jaxpaged-default"]
 SLOTS = 32
 TPOT_TOKENS = 128
 

@@ -114,12 +114,14 @@ def profile_model(name: str, args, peaks: dict) -> list[dict]:
         model = str(ensure(name))
     llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=max(args.batches), precompile=False, enable_prefix_caching=False,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, quantization=args.quantization)
     engine, runner = llm.llm_engine, llm.llm_engine.runner
     config = runner.config
     leaves = jax.tree.leaves(runner.params)
     params_bytes = sum(x.nbytes for x in leaves)
-    embed = runner.params["embed_tokens"]["embedding"][...]
+    embed_params = runner.params["embed_tokens"]
+    embed = (embed_params["embedding"] if "embedding" in embed_params
+             else embed_params["weight"])[...]  # QuantizedEmbed: int8 rows
     tied = config.tie_word_embeddings
     timers = Timers(runner)
     rng = np.random.default_rng(0)
@@ -160,12 +162,13 @@ def profile_model(name: str, args, peaks: dict) -> list[dict]:
         contexts = ([len(p) + warm_steps + 1 for p in prompts] if kind == "decode"
                     else [len(prompts[0])])
         nbytes, flops = step_cost(config, params_bytes, embed.nbytes, tied, T, S, contexts,
-                                  embed.dtype.itemsize)
+                                  jax.numpy.dtype(args.dtype).itemsize)  # the KV pool's
         step, sampler = float(np.median(timers.step_s)), float(np.median(timers.sampler_s))
         total, host = float(np.median(totals)), float(np.median(hosts))
         bw_s = nbytes / peaks["bandwidth_bytes_per_s"]
         flop_s = flops / peaks["matmul_flops_per_s"]
-        rows.append(dict(model=name, dtype=args.dtype, kind=kind, batch=B, tokens=tokens, T=T, logits_rows=S,
+        rows.append(dict(model=name, dtype=args.dtype, quantization=args.quantization,
+                         kind=kind, batch=B, tokens=tokens, T=T, logits_rows=S,
                          step_ms=1e3 * step, sampler_ms=1e3 * sampler,
                          host_ms=1e3 * host, engine_step_ms=1e3 * total,
                          weight_read_bound_ms=1e3 * bw_s, flop_bound_ms=1e3 * flop_s,
@@ -202,6 +205,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=6, help="decode steps timed per batch size")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--dtype", default="float32", help="the engine's dtype (float32, bfloat16)")
+    p.add_argument("--quantization", default=None, help="LLM(quantization=...): int8, w8a8")
     p.add_argument("--attention-backend", default="auto", help="LLM(attention_backend=...)")
     p.add_argument("--out", type=Path, default=Path("bench/results/roofline.json"))
     args = p.parse_args(argv)

@@ -393,7 +393,7 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-invariant", action="store_true",
                    help="jaxpaged in batch-invariant mode (`LLM(batch_invariant=True)`)")
     p.add_argument("--attention-backend", default="auto", help="jaxpaged's attention backend")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "w8a8"],
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "w8a8", "q8_0"],
                    help="jaxpaged's weight quantization")
     p.add_argument("--kv-cache-dtype", default="auto", help="jaxpaged's KV pool dtype")
     p.add_argument("--out", type=Path, default=None,

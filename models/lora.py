@@ -124,11 +124,10 @@ def lora_sites(model: nnx.Module) -> list[LoRASite]:
 
 
 def _base_shape(base: nnx.Module) -> tuple[int, int]:
-    """(in, out) of a float (`kernel: f[in, out]`) or int8 (`weight: i8[out, in]`) layer."""
+    """(in, out) of a float (`kernel: f[in, out]`) or int8 (`QuantizedLinear`) layer."""
     if hasattr(base, "kernel"):
         return tuple(base.kernel.shape)
-    out, in_features = base.weight.shape
-    return in_features, out
+    return base.in_features, base.out_features
 
 
 def enable_lora(model: nnx.Module, *, max_loras: int, max_lora_rank: int, dtype,

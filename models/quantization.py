@@ -1,5 +1,6 @@
-"""int8 quantization of a loaded model: weight-only (`LLM(quantization="int8")`) or with int8
-activations too (`LLM(quantization="w8a8")`).
+"""int8 quantization of a loaded model: weight-only (`LLM(quantization="int8")`), with int8
+activations too (`LLM(quantization="w8a8")`), or in GGUF's Q8_0 blocks
+(`LLM(quantization="q8_0")`).
 
 Every linear layer's kernel `f[K, N]` becomes `weight: i8[N, K]` (output rows by input
 features, as Hugging Face and GGUF store them) and `scale: f32[N]`: symmetric, per output
@@ -12,10 +13,13 @@ way, one scale per vocabulary row: the embedding is a fifth of a 135M model's we
 "w8a8" keeps the same int8 weights and also quantizes each layer's input per token, on the fly
 (`w8a8_matmul`): the product is summed in int32, which the CPU's VNNI instructions do at four
 times float32's multiply-adds per instruction. The tied LM head (`QuantizedEmbed.attend`) does
-the same. Steps of one or two tokens on the CPU kernels stay weight-only, which is faster
-there (the weights are read once either way, and the activations need no quantizing), except
-in batch-invariant mode: W8A8's integer sums are exact, so a token's outputs then do not
-depend on the rest of its step.
+the same. On the CPU kernels the weights are packed at load time for the C++ W8A8 GEMM
+(`pack_int8`), which takes every step size; its integer sums are exact, so a token's outputs do
+not depend on the rest of its step.
+
+"q8_0" keeps one scale per 32 weights along K, as GGUF's Q8_0 does (`class Q8_0`): on a
+Q8_0 file the weights are the file's, not re-quantized per channel, at some cost in speed for
+steps of many tokens (`bench/results/quantized-matmul.json`).
 
 Under tensor parallelism the weights keep their layer's split (column-parallel on N,
 row-parallel on K) and the matmul runs as jnp, partitioned by XLA; the C++ kernel serves one
@@ -24,54 +28,62 @@ device.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS
-from jaxpaged.pallas_kernels.quantized_matmul import (W8A8_KERNEL_MAX_ROWS, int8_matmul,
-                                                      quantize_int8, w8a8_matmul)
+from jaxpaged.pallas_kernels.quantized_matmul import (Q8_0_BLOCK, int8_matmul, pack_int8,
+                                                      q8_0_matmul, quantize_int8, quantize_q8_0,
+                                                      unpack_rows, w8a8_matmul)
+
 
 def _param(value, spec: tuple) -> nnx.Param:
     with nnx.use_eager_sharding(False):
         return nnx.Param(value, out_sharding=spec)
 
 
-def _matmul(x: jax.Array, w: jax.Array, scale: jax.Array, activations: str,
+def _matmul(x: jax.Array, w: jax.Array, scale: jax.Array, wsum, activations: str,
             use_kernel: bool) -> jax.Array:
     """f32[..., N]: x times the int8 weights, x kept in float ("float") or quantized per token
-    ("int8", W8A8); "auto": W8A8, except steps of up to `W8A8_KERNEL_MAX_ROWS` tokens on the C++
-    kernels, which read the weights once whatever the activations and are faster weight-only
-    (no activation quantization to pay for)."""
-    rows = math.prod(x.shape[:-1])
-    if activations == "int8" or (activations == "auto"
-                                 and not (use_kernel and rows <= W8A8_KERNEL_MAX_ROWS)):
-        return w8a8_matmul(x, w, scale, use_kernel=use_kernel)
+    ("int8", W8A8; weights packed for the C++ kernel where `wsum` is given); "q8_0" /
+    "q8_0-auto": Q8_0 blocks (`scale: f32[N, K // 32]`), `q8_0_matmul`'s "q8_0" / "auto"."""
+    if activations.startswith("q8_0"):
+        return q8_0_matmul(x, w, scale, use_kernel=use_kernel,
+                           activations="auto" if activations == "q8_0-auto" else "q8_0")
+    if activations == "int8":
+        return w8a8_matmul(x, w, scale, None if wsum is None else wsum[...])
     return int8_matmul(x, w, scale, use_kernel=use_kernel)
 
 
 class QuantizedLinear(nnx.Module):
     """A linear layer with int8 weights: `y = (x @ weight.T) * scale + bias`, in x's dtype.
 
-    weight: i8[N, K] laid out by `spec` over the mesh; scale: f32[N] by its first axis; bias:
-    f[N] or None (kept as it was). `activations`: "float" (weight-only), "int8" (x quantized
-    per token, W8A8) or "auto" (W8A8 but for steps of one or two tokens on the CPU kernels,
-    `_matmul`).
+    weight: i8[N, K] laid out by `spec` over the mesh, or for the C++ W8A8 kernel (one device)
+    packed by `pack_int8` (i8[ceil(N/16), ceil(K/4), 16, 4], with `wsum: i32[16 ceil(N/16)]`);
+    scale: f32[N] by its first axis, or with "q8_0" f32[N, K // 32] (one per block of 32 along
+    K) as the weight; bias: f[N] or None (kept as it was); `in_features`, `out_features`: K
+    and N, whatever the layout. `activations`: "float"
+    (weight-only), "int8" (x quantized per token, W8A8), or with GGUF Q8_0 blocks "q8_0" (x
+    quantized per block of 32) or "q8_0-auto" (so only for steps of a few tokens on the CPU
+    kernel, x in float32 for the rest).
     """
 
     def __init__(self, weight: jax.Array, scale: jax.Array, bias, *, spec: tuple,
-                 use_kernel: bool = False, activations: str = "float"):
-        self.weight = _param(weight, spec)
-        self.scale = _param(scale, spec[:1])
+                 in_features: int, use_kernel: bool = False, activations: str = "float",
+                 wsum=None):
+        self.in_features, self.out_features = in_features, scale.shape[0]
+        self.weight = _param(weight, spec if weight.ndim == 2 else (None,) * weight.ndim)
+        self.scale = _param(scale, spec[:scale.ndim])
+        self.wsum = None if wsum is None else _param(wsum, (None,))
         self.bias = bias
         self.use_kernel = use_kernel
         self.activations = activations
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = _matmul(x, self.weight[...], self.scale[...], self.activations, self.use_kernel)
+        y = _matmul(x, self.weight[...], self.scale[...], self.wsum, self.activations,
+                    self.use_kernel)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(x.dtype)
@@ -81,33 +93,45 @@ class QuantizedEmbed(nnx.Module):
     """A token embedding with int8 rows: `__call__(ids)` looks up `weight[ids] * scale[ids]`,
     `attend(x)` is the tied LM head `x @ (weight * scale).T`; both in `dtype`.
 
-    weight: i8[V, D]; scale: f32[V]; split on V over the mesh, as `nnx.Embed` is.
-    `activations`: as `QuantizedLinear`'s, for `attend`.
+    weight: i8[V, D], or packed as `QuantizedLinear`'s (`features` = D, rows looked up in
+    place, `unpack_rows`); scale: f32[V], or with "q8_0" f32[V, D // 32]; split on V over the
+    mesh, as `nnx.Embed` is. `activations`: as `QuantizedLinear`'s, for `attend`.
     """
 
-    def __init__(self, weight: jax.Array, scale: jax.Array, dtype, *, use_kernel: bool = False,
-                 activations: str = "float"):
-        self.weight = _param(weight, (MODEL_AXIS, None))
-        self.scale = _param(scale, (MODEL_AXIS,))
+    def __init__(self, weight: jax.Array, scale: jax.Array, dtype, *, features: int,
+                 use_kernel: bool = False, activations: str = "float", wsum=None):
+        self.weight = _param(weight, (MODEL_AXIS, None) if weight.ndim == 2
+                             else (None,) * weight.ndim)
+        self.scale = _param(scale, (MODEL_AXIS, None)[:scale.ndim])
+        self.wsum = None if wsum is None else _param(wsum, (None,))
+        self.features = features
         self.dtype = dtype
         self.use_kernel = use_kernel
         self.activations = activations
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        rows = self.weight[...][ids].astype(jnp.float32) * self.scale[...][ids][..., None]
-        return rows.astype(self.dtype)
+        scale = self.scale[...][ids]
+        if scale.ndim > ids.ndim:  # Q8_0: a scale per block of the row
+            scale = jnp.repeat(scale, Q8_0_BLOCK, axis=-1)
+        else:
+            scale = scale[..., None]
+        w = self.weight[...]
+        rows = w[ids] if w.ndim == 2 else unpack_rows(w, ids, self.features)
+        return (rows.astype(jnp.float32) * scale).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return _matmul(x, self.weight[...], self.scale[...], self.activations,
+        return _matmul(x, self.weight[...], self.scale[...], self.wsum, self.activations,
                        self.use_kernel).astype(self.dtype)
 
 
-def _quantized(w: jax.Array, spec: tuple, mesh):
-    """quantize_int8(w) laid out like w's layer: weight by `spec`, scale by its first axis."""
+def _quantized(quantize, w: jax.Array, spec: tuple, mesh):
+    """quantize(w) (`quantize_int8` or `quantize_q8_0`) laid out like w's layer: weight by
+    `spec`, scale by as many of its axes as the scale has."""
     if mesh is None:
-        return jax.jit(quantize_int8)(w)
-    shardings = (NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(spec[0])))
-    return jax.jit(quantize_int8, out_shardings=shardings)(w)
+        return jax.jit(quantize)(w)
+    scale_ndim = jax.eval_shape(quantize, w)[1].ndim
+    shardings = (NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(*spec[:scale_ndim])))
+    return jax.jit(quantize, out_shardings=shardings)(w)
 
 
 class QuantizationMethod:
@@ -136,37 +160,66 @@ class QuantizationMethod:
 class Int8WeightOnly(QuantizationMethod):
     """Symmetric per-output-channel int8 weights (`QuantizedLinear`, `QuantizedEmbed`)."""
 
+    quantize = staticmethod(quantize_int8)  # f[N, K] -> (i8[N, K], its scales)
+
     @property
     def activations(self) -> str:
         """How the layers take their input (`QuantizedLinear`)."""
         return "float"
 
+    def layout(self, weight: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(the weight as the layer keeps it, its `wsum` or None): i8[N, K] as quantized."""
+        return weight, None
+
     def linear(self, layer: nnx.Linear) -> QuantizedLinear:
         spec = layer.kernel.get_metadata().get("out_sharding") or (None, None)
         weight_spec = spec[::-1]  # the kernel f[K, N] transposed
-        weight, scale = _quantized(layer.kernel[...].T, weight_spec, self.mesh)
-        return QuantizedLinear(weight, scale, layer.bias, spec=weight_spec,
+        weight, scale = _quantized(self.quantize, layer.kernel[...].T, weight_spec, self.mesh)
+        in_features = weight.shape[1]
+        weight, wsum = self.layout(weight)
+        return QuantizedLinear(weight, scale, layer.bias, spec=weight_spec, wsum=wsum,
+                               in_features=in_features,
                                use_kernel=self.use_kernel, activations=self.activations)
 
     def embed(self, layer: nnx.Embed) -> QuantizedEmbed:
-        weight, scale = _quantized(layer.embedding[...], (MODEL_AXIS, None), self.mesh)
-        return QuantizedEmbed(weight, scale, layer.dtype, use_kernel=self.use_kernel,
-                              activations=self.activations)
+        weight, scale = _quantized(self.quantize, layer.embedding[...], (MODEL_AXIS, None),
+                                   self.mesh)
+        features = weight.shape[1]
+        weight, wsum = self.layout(weight)
+        return QuantizedEmbed(weight, scale, layer.dtype, features=features, wsum=wsum,
+                              use_kernel=self.use_kernel, activations=self.activations)
 
 
 class W8A8(Int8WeightOnly):
-    """`Int8WeightOnly`'s weights, and each layer's input quantized per token (`w8a8_matmul`);
-    weight-only for steps of one or two tokens on the CPU kernels ("auto"), except in
-    batch-invariant mode, where every step is W8A8."""
+    """`Int8WeightOnly`'s weights, and each layer's input quantized per token (`w8a8_matmul`) at
+    every step size; on the C++ kernels the weights are packed for the W8A8 GEMM
+    (`pack_int8`)."""
+
+    activations = "int8"
+
+    def layout(self, weight: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        if not self.use_kernel:
+            return weight, None
+        return jax.jit(pack_int8)(weight)
+
+
+class Q8_0(Int8WeightOnly):
+    """GGUF Q8_0: int8 weights with one scale per 32 values along K (`q8_0_matmul`); on a Q8_0
+    GGUF file, the file's own blocks (`quantized_matmul` module doc). Steps of a few tokens on
+    the C++ kernel quantize the activations the same way (llama.cpp's Q8_0 product), larger
+    ones multiply them in float32 ("q8_0-auto"); in batch-invariant mode every step takes the
+    Q8_0 product ("q8_0")."""
+
+    quantize = staticmethod(quantize_q8_0)
 
     @property
     def activations(self) -> str:
-        return "int8" if self.batch_invariant else "auto"
+        return "q8_0" if self.batch_invariant else "q8_0-auto"
 
 
 # The schemes `LLM(quantization=...)` accepts, by name (None: the float weights as loaded).
 QUANTIZATION_METHODS: dict[str, type[QuantizationMethod]] = {"int8": Int8WeightOnly,
-                                                             "w8a8": W8A8}
+                                                             "w8a8": W8A8, "q8_0": Q8_0}
 
 
 def check_quantization(method: str | None) -> None:
@@ -213,7 +266,7 @@ def quantize_model(model: nnx.Module, method: str | None, *, embeddings: bool = 
 
 
 def activation_modes(model: nnx.Module) -> str:
-    """How each quantized layer takes its input, in graph order ("float", "int8", "auto";
+    """How each quantized layer takes its input, in graph order ("float", "int8", "q8_0", ...;
     `QuantizedLinear`): the same parameters, another program (the step cache's key)."""
     return ",".join(node.activations for _, node in nnx.iter_graph(model)
                     if isinstance(node, (QuantizedLinear, QuantizedEmbed)))

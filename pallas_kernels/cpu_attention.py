@@ -36,18 +36,20 @@ from jaxpaged.pallas_kernels.reference import QuantizedKVCache
 
 logger = logging.getLogger(__name__)
 
-# Every C++ kernel, compiled into one library: the paged attention here, the weight-only int8
-# and the W8A8 matmuls (`quantized_matmul`), the float32 few-row matmul (`few_row_matmul`) and
+# Every C++ kernel, compiled into one library: the paged attention here, the weight-only int8,
+# the W8A8 and the GGUF Q8_0 block matmuls (`quantized_matmul`), the float32 few-row matmul (`few_row_matmul`) and
 # the LoRA adapters' products by slot (`lora_matmul`).
 _SOURCES = (Path(__file__).parent / "csrc" / "paged_attention_cpu.cc",
             Path(__file__).parent / "csrc" / "int8_matmul_cpu.cc",
             Path(__file__).parent / "csrc" / "f32_matmul_cpu.cc",
             Path(__file__).parent / "csrc" / "lora_matmul_cpu.cc",
-            Path(__file__).parent / "csrc" / "w8a8_matmul_cpu.cc")
+            Path(__file__).parent / "csrc" / "w8a8_matmul_cpu.cc",
+            Path(__file__).parent / "csrc" / "q8_0_matmul_cpu.cc")
 _TARGET = "jaxpaged_paged_attention"
 _QUANTIZED_TARGET = "jaxpaged_paged_attention_quantized"
 INT8_MATMUL_TARGET = "jaxpaged_int8_matmul"
 W8A8_MATMUL_TARGET = "jaxpaged_w8a8_matmul"
+Q8_0_MATMUL_TARGET = "jaxpaged_q8_0_matmul"
 F32_MATMUL_KN_TARGET = "jaxpaged_f32_matmul_kn"
 F32_MATMUL_NK_TARGET = "jaxpaged_f32_matmul_nk"
 LORA_MATMUL_TARGET = "jaxpaged_lora_matmul"
@@ -137,6 +139,8 @@ def available() -> bool:
                                 jax.ffi.pycapsule(lib.JaxpagedLoraMatmul), platform="cpu")
     jax.ffi.register_ffi_target(W8A8_MATMUL_TARGET,
                                 jax.ffi.pycapsule(lib.JaxpagedW8A8Matmul), platform="cpu")
+    jax.ffi.register_ffi_target(Q8_0_MATMUL_TARGET,
+                                jax.ffi.pycapsule(lib.JaxpagedQ8_0Matmul), platform="cpu")
     _library["lib"] = lib
     return True
 

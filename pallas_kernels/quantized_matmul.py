@@ -17,13 +17,22 @@ activations are `W8A8_ACTIVATION_TERMS` int8 terms: the second quantizes, per to
 rounding error (`quantize_activations`), which cuts the error bound 127-fold for a second int8
 product over the same weights (the terms are stacked as extra rows of one int8 matmul).
 
-The int8 dot is XLA's (on CPU, YNNPACK's int8 GEMM, which uses the CPU's int8 dot-product
-instructions); for steps of up to `W8A8_KERNEL_MAX_ROWS` tokens, where XLA's int8 dot is slow
-(it repacks the weights), the C++ kernel (`csrc/w8a8_matmul_cpu.cc`) reads the weights in place
-with the AVX-512 VNNI dot product where the CPU has it, or a portable loop with the same int32
-sums. The int32 sums are exact and the scaling after them is the same XLA code on every path, so
-every path gives the same bits, and a row's output does not depend on the other rows of its
-step.
+On CPU the int8 products are the C++ kernel's (`csrc/w8a8_matmul_cpu.cc`), a GEMM on weights
+packed once at load time (`pack_int8`: panels of 16 output channels, 4 consecutive k side by
+side, AVX-512 VNNI's operand layout) that runs every step size, from one token's GEMV to a
+prefill chunk, with the VNNI dot product where the CPU has it or a portable loop with the same
+int32 sums; elsewhere XLA's int8 dot. On a 2-core Zen 4 the kernel is 2-3x XLA's int8 dot and
+3-5x a float32 dot from 32 rows up (`bench/results/quantized-matmul.json`). The int32 sums are
+exact and the scaling after them is the same XLA code on every path, so every path gives the
+same bits, and a row's output does not depend on the other rows of its step.
+
+GGUF's Q8_0 keeps its blocks (`q8_0_matmul`): one scale per 32 weights along K
+(`dw: f32[N, K // 32]`) instead of one per output channel. Steps of a few rows quantize the
+activations the same way and sum each block's int8 product in int32 before scaling it, as
+llama.cpp's Q8_0 dot product does (`csrc/q8_0_matmul_cpu.cc`); larger ones multiply float32
+activations by the blocks' values. Quantizing a Q8_0 file's dequantized weights with
+`quantize_q8_0` gives back the file's blocks exactly (its largest value in each block is +-127 times the block's scale), so
+the loader keeps dequantizing to float and `quantization="q8_0"` recovers the file as it is.
 """
 
 from __future__ import annotations
@@ -35,11 +44,13 @@ import jax.numpy as jnp
 
 from jaxpaged.pallas_kernels import cpu_attention
 
-# Steps of up to this many rows take the C++ W8A8 kernel (where the caller allows it); larger
-# ones XLA's int8 dot (`bench/results/w8a8-matmul.json`).
-W8A8_KERNEL_MAX_ROWS = 2
 # int8 terms per activation row in `w8a8_matmul` (1: plain per-token int8).
 W8A8_ACTIVATION_TERMS = 2
+# Values per GGUF Q8_0 block (ggml's QK8_0).
+Q8_0_BLOCK = 32
+# Steps of up to this many rows take the C++ Q8_0 kernel (where the caller allows it); larger
+# ones a float32 dot of the dequantized blocks (`bench/results/quantized-matmul.json`).
+Q8_0_KERNEL_MAX_ROWS = 8
 
 
 def int8_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
@@ -114,13 +125,36 @@ def int8_dot_reference(xq: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("mk,nk->mn", xq, w, preferred_element_type=jnp.int32)
 
 
-def int8_dot_kernel(xq: jax.Array, w: jax.Array, *, portable: bool = False) -> jax.Array:
-    """`int8_dot_reference` by the C++ kernel, any number of rows (call where
-    `cpu_attention.available()`); `portable`: its portable path even where the CPU has VNNI
-    (tests; the same sums)."""
+# Output channels per panel of `pack_int8`'s layout.
+PANEL = 16
+
+
+def pack_int8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The C++ W8A8 kernel's weight layout (`csrc/w8a8_matmul_cpu.cc`), built once at load time:
+    w i8[N, K] -> (wp i8[P, K4, 16, 4], wsum i32[16 P]) with P = ceil(N / 16), K4 = ceil(K / 4),
+    `wp[p, k4, j, i] = w[16 p + j, 4 k4 + i]` (zero past N or K) and `wsum[n] = sum_k w[n, k]`."""
+    N, K = w.shape
+    P, K4 = -(-N // PANEL), -(-K // 4)
+    padded = jnp.pad(w, ((0, P * PANEL - N), (0, K4 * 4 - K)))
+    wp = padded.reshape(P, PANEL, K4, 4).transpose(0, 2, 1, 3)
+    return wp, jnp.sum(padded, axis=1, dtype=jnp.int32)
+
+
+def unpack_rows(wp: jax.Array, rows: jax.Array, k: int) -> jax.Array:
+    """i8[..., k]: rows `rows` (int[...]) of the matrix `pack_int8` packed into wp, read in
+    place (an embedding lookup on a packed table)."""
+    picked = wp[rows // PANEL, :, rows % PANEL, :]  # [..., K4, 4]
+    return picked.reshape(*rows.shape, -1)[..., :k]
+
+
+def int8_dot_kernel(xq: jax.Array, wp: jax.Array, wsum: jax.Array, n: int, *,
+                    portable: bool = False) -> jax.Array:
+    """`int8_dot_reference(xq, w)` by the C++ kernel on `pack_int8(w) = (wp, wsum)`, any number
+    of rows (call where `cpu_attention.available()`): i32[M, n], n = w's rows. `portable`: its
+    portable path even where the CPU has VNNI (tests; the same sums)."""
     call = jax.ffi.ffi_call(cpu_attention.W8A8_MATMUL_TARGET,
-                            jax.ShapeDtypeStruct((xq.shape[0], w.shape[0]), jnp.int32))
-    return call(xq, w, portable=portable)
+                            jax.ShapeDtypeStruct((xq.shape[0], n), jnp.int32))
+    return call(xq, wp, wsum, portable=portable)
 
 
 def quantize_activations(x: jax.Array, terms: int = W8A8_ACTIVATION_TERMS
@@ -140,18 +174,19 @@ def quantize_activations(x: jax.Array, terms: int = W8A8_ACTIVATION_TERMS
     return jnp.concatenate(qs), jnp.concatenate(ss)
 
 
-@functools.partial(jax.jit, static_argnames=("use_kernel", "terms"))
-def w8a8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, use_kernel: bool = False,
-                terms: int = W8A8_ACTIVATION_TERMS) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("terms",))
+def w8a8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, wsum: jax.Array | None = None,
+                *, terms: int = W8A8_ACTIVATION_TERMS) -> jax.Array:
     """W8A8: x as int8 terms per row (`quantize_activations`), each times the int8 weights
-    summed exactly in int32 (`int8_dot_reference`; by the C++ kernel for steps of up to
-    `W8A8_KERNEL_MAX_ROWS` rows where `use_kernel`), scaled `float(acc) * (sx * scale)`, the
-    terms added in order.
+    summed exactly in int32, scaled `float(acc) * (sx * scale)`, the terms added in order.
+    The int32 sums are XLA's int8 dot (`int8_dot_reference`) for weights i8[N, K], or the C++
+    kernel (`int8_dot_kernel`) for weights packed by `pack_int8` (with their `wsum`).
 
     Args:
       x: f[..., K] activations (any float dtype; quantized from float32).
-      w: i8[N, K] weights; scale: f32[N] per-output scales.
-      use_kernel: the C++ kernel may run (CPU only, where `cpu_attention.available()`).
+      w: i8[N, K] weights, or `pack_int8`'s i8[P, K4, 16, 4] (CPU only, where
+        `cpu_attention.available()`); scale: f32[N] per-output scales.
+      wsum: i32[16 P], `pack_int8`'s, with packed weights (else None).
       terms: int8 terms per activation row (1: plain per-token int8).
 
     Returns:
@@ -161,14 +196,125 @@ def w8a8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, use_kernel: boo
     Raises:
       ValueError: mismatched shapes or dtypes.
     """
-    _check_operands("w8a8_matmul", x, w, scale)
+    packed = w.ndim == 4
+    if packed:
+        N = scale.shape[0]
+        if wsum is None or w.dtype != jnp.int8 or w.shape[0] != -(-N // PANEL) \
+                or w.shape[1:] != (-(-x.shape[-1] // 4), PANEL, 4):
+            raise ValueError(f"w8a8_matmul: expected x f[..., K], packed w i8[ceil(N/16), "
+                             f"ceil(K/4), 16, 4] with its wsum, scale f32[N]; got x "
+                             f"{x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}, scale "
+                             f"{scale.dtype}{list(scale.shape)}, wsum "
+                             f"{None if wsum is None else list(wsum.shape)}")
+    else:
+        _check_operands("w8a8_matmul", x, w, scale)
+        N = w.shape[0]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     xq, sx = quantize_activations(x2, terms)
-    if use_kernel and x2.shape[0] <= W8A8_KERNEL_MAX_ROWS:
-        acc = int8_dot_kernel(xq, w)
-    else:
-        acc = int8_dot_reference(xq, w)
+    acc = int8_dot_kernel(xq, w, wsum, N) if packed else int8_dot_reference(xq, w)
     y = acc.astype(jnp.float32) * (sx[:, None] * scale.astype(jnp.float32)[None, :])
     y = functools.reduce(jnp.add, jnp.split(y, terms))
+    return y.reshape(*lead, N)
+
+
+def quantize_q8_0(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """GGUF Q8_0 (ggml's `block_q8_0`): x f[..., K] -> (i8[..., K], f32[..., K // 32]), each
+    run of 32 values along K symmetric with `scale = max|x| / 127` (a zero block gets scale 1)
+    and `q = round(x / scale)`, so `|x - q * scale| <= scale / 2`.
+
+    Raises:
+      ValueError: K is not a multiple of 32.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    K = x.shape[-1]
+    if K % Q8_0_BLOCK:
+        raise ValueError(f"Q8_0 needs the input features to be a multiple of {Q8_0_BLOCK}, got "
+                         f"{K}")
+    blocks = x.reshape(*x.shape[:-1], K // Q8_0_BLOCK, Q8_0_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(blocks / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q.reshape(x.shape), scale
+
+
+def q8_0_dot_reference(xq: jax.Array, dx: jax.Array, w: jax.Array, dw: jax.Array) -> jax.Array:
+    """Pure jnp: `y[m, n] = sum_b (dx[m, b] * dw[n, b]) * float(sum_{k in b} xq[m, k] * w[n, k])`,
+    each block's product summed exactly in int32 (XLA's int8 dot, batched over blocks).
+
+    Args:
+      xq: i8[M, K], dx: f32[M, K // 32] (activations, `quantize_q8_0`); w: i8[N, K], dw:
+        f32[N, K // 32] (weights).
+
+    Returns:
+      f32[M, N].
+    """
+    (M, K), N = xq.shape, w.shape[0]
+    B = K // Q8_0_BLOCK
+    isum = jnp.einsum("bmk,bnk->bmn", xq.reshape(M, B, Q8_0_BLOCK).transpose(1, 0, 2),
+                      w.reshape(N, B, Q8_0_BLOCK).transpose(1, 0, 2),
+                      preferred_element_type=jnp.int32)
+    return jnp.einsum("bmn,mb,nb->mn", isum.astype(jnp.float32), dx, dw)
+
+
+def q8_0_dot_kernel(xq: jax.Array, dx: jax.Array, w: jax.Array, dw: jax.Array, *,
+                    portable: bool = False) -> jax.Array:
+    """`q8_0_dot_reference` by the C++ kernel, any number of rows (call where
+    `cpu_attention.available()`), equal up to float32 summation order; `portable`: its portable
+    path even where the CPU has VNNI (tests)."""
+    call = jax.ffi.ffi_call(cpu_attention.Q8_0_MATMUL_TARGET,
+                            jax.ShapeDtypeStruct((xq.shape[0], w.shape[0]), jnp.float32))
+    return call(xq, dx.astype(jnp.float32), w, dw.astype(jnp.float32), portable=portable)
+
+
+def dequantize_q8_0(w: jax.Array, dw: jax.Array) -> jax.Array:
+    """f32[N, K]: the Q8_0 blocks' values, `w[n, k] * dw[n, k // 32]` (exact in float32)."""
+    N, K = w.shape
+    blocks = w.reshape(N, K // Q8_0_BLOCK, Q8_0_BLOCK).astype(jnp.float32) * dw[..., None]
+    return blocks.reshape(N, K)
+
+
+@functools.partial(jax.jit, static_argnames=("use_kernel", "activations"))
+def q8_0_matmul(x: jax.Array, w: jax.Array, dw: jax.Array, *, use_kernel: bool = False,
+                activations: str = "auto") -> jax.Array:
+    """GGUF Q8_0 blocks as they are, times x taken one of two ways:
+    - llama.cpp's Q8_0 product: x quantized per 32 values (`quantize_q8_0`) and multiplied
+      block by block, by the C++ kernel where `use_kernel` (`q8_0_dot_kernel`, which computes
+      each row alone, the same way whatever the step's size), else `q8_0_dot_reference`;
+    - x in float32 times the blocks' values (`dequantize_q8_0`, XLA's dot).
+    `activations` "q8_0": the first at every size (batch-invariant mode); "auto": the first on
+    the C++ kernel for steps of up to `Q8_0_KERNEL_MAX_ROWS` rows, the second otherwise, which
+    is faster for many rows (`bench/results/quantized-matmul.json`) and off the CPU kernels.
+
+    Args:
+      x: f[..., K] activations (any float dtype; computed in float32).
+      w: i8[N, K] weights; dw: f32[N, K // 32] their block scales.
+      use_kernel: the C++ kernel may run (CPU only, where `cpu_attention.available()`).
+      activations: "auto" or "q8_0", as above.
+
+    Returns:
+      f32[..., N].
+
+    Raises:
+      ValueError: mismatched shapes or dtypes, K not a multiple of 32, or another
+        `activations`.
+    """
+    if w.ndim != 2 or w.dtype != jnp.int8 or x.shape[-1] != w.shape[1] \
+            or w.shape[1] % Q8_0_BLOCK or dw.shape != (w.shape[0], w.shape[1] // Q8_0_BLOCK):
+        raise ValueError(f"q8_0_matmul: expected x f[..., K], w i8[N, K], dw f32[N, K // 32] "
+                         f"with K a multiple of {Q8_0_BLOCK}; got x {x.dtype}{list(x.shape)}, "
+                         f"w {w.dtype}{list(w.shape)}, dw {dw.dtype}{list(dw.shape)}")
+    if activations not in ("auto", "q8_0"):
+        raise ValueError(f"q8_0_matmul: activations {activations!r} is not 'auto' or 'q8_0'")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    dw = dw.astype(jnp.float32)
+    small = x2.shape[0] <= Q8_0_KERNEL_MAX_ROWS
+    if use_kernel and (activations == "q8_0" or small):
+        y = q8_0_dot_kernel(*quantize_q8_0(x2), w, dw)
+    elif activations == "q8_0":
+        y = q8_0_dot_reference(*quantize_q8_0(x2), w, dw)
+    else:
+        y = jnp.einsum("mk,nk->mn", x2, dequantize_q8_0(w, dw),
+                       preferred_element_type=jnp.float32)
     return y.reshape(*lead, w.shape[0])

@@ -16,8 +16,8 @@ from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from jaxpaged.pallas_kernels.quantized_matmul import (int8_matmul, int8_matmul_reference,
                                                       int8_dot_kernel, int8_dot_reference,
-                                                      quantize_activations, quantize_int8,
-                                                      w8a8_matmul)
+                                                      pack_int8, quantize_activations,
+                                                      quantize_int8, unpack_rows, w8a8_matmul)
 from jaxpaged.pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                             ragged_paged_attention_reference)
 from jaxpaged.pallas_kernels.reference import (KV_CODE_DTYPES, dequantize_kv,
@@ -75,15 +75,30 @@ def _w8a8_operands(M, N, K):
 @pytest.mark.parametrize("M, N, K", W8A8_SHAPES)
 def test_int8_dot_is_the_exact_integer_sum_on_every_path(M, N, K):
     """The int8 product of quantized operands (XLA's int8 dot, and on CPU the kernel's VNNI and
-    portable paths at any row count) equals their product summed exactly (int64 in NumPy)."""
+    portable paths on the packed weights at any row count) equals their product summed exactly
+    (int64 in NumPy)."""
     x, w, _ = _w8a8_operands(M, N, K)
     xq, _ = quantize_int8(x)
     exact = np.asarray(xq, np.int64) @ np.asarray(w, np.int64).T
     assert np.abs(exact).max() < 2 ** 31
     np.testing.assert_array_equal(int8_dot_reference(xq, w), exact)
     if cpu_attention.available():
+        wp, wsum = pack_int8(w)
         for portable in (False, True):
-            np.testing.assert_array_equal(int8_dot_kernel(xq, w, portable=portable), exact)
+            np.testing.assert_array_equal(int8_dot_kernel(xq, wp, wsum, N, portable=portable),
+                                          exact)
+
+
+def test_packed_weights_hold_every_row():
+    """`pack_int8`'s layout (N and K padded to 16 and 4) gives back each row in place
+    (`unpack_rows`, the packed embedding's lookup), and `wsum` is each row's sum."""
+    w = jax.random.randint(jax.random.key(1), (37, 30), -127, 128).astype(jnp.int8)
+    wp, wsum = pack_int8(w)
+    assert wp.shape == (3, 8, 16, 4) and wsum.shape == (48,)
+    ids = jnp.array([[0, 36], [17, 16]])
+    np.testing.assert_array_equal(unpack_rows(wp, ids, 30), np.asarray(w)[np.asarray(ids)])
+    np.testing.assert_array_equal(wsum[:37], np.asarray(w, np.int64).sum(1))
+    assert not np.any(np.asarray(wsum[37:]))
 
 
 @pytest.mark.parametrize("terms", [1, 2])
@@ -96,8 +111,8 @@ def test_w8a8_matmul_equals_its_terms_and_the_float_product_within_the_bound(M, 
     x, w, scale = _w8a8_operands(M, N, K)
     got = np.asarray(w8a8_matmul(x, w, scale, terms=terms))
     if cpu_attention.available():
-        np.testing.assert_array_equal(w8a8_matmul(x, w, scale, terms=terms, use_kernel=True),
-                                      got)
+        wp, wsum = pack_int8(w)
+        np.testing.assert_array_equal(w8a8_matmul(x, wp, scale, wsum, terms=terms), got)
     xq, sx = jax.jit(quantize_activations, static_argnums=1)(x, terms)  # as w8a8_matmul does
     exact = np.asarray(xq, np.int64) @ np.asarray(w, np.int64).T
     parts = exact.astype(np.float32) * (np.asarray(sx)[:, None] * np.asarray(scale)[None, :])
@@ -117,32 +132,33 @@ def test_w8a8_matmul_equals_its_terms_and_the_float_product_within_the_bound(M, 
 def test_w8a8_rows_do_not_depend_on_the_rest_of_the_step():
     """A row's output is the same alone, in a step the kernel takes and in XLA's."""
     x, w, scale = _w8a8_operands(70, 130, 200)
-    paths = [dict()] + ([dict(use_kernel=True)] if cpu_attention.available() else [])
-    for kw in paths:
-        full = np.asarray(w8a8_matmul(x, w, scale, **kw))
+    weights = [(w, None)] + ([pack_int8(w)] if cpu_attention.available() else [])
+    for w_, wsum in weights:
+        full = np.asarray(w8a8_matmul(x, w_, scale, wsum))
         for rows in ([5], [5, 6], [0, 5, 69], list(range(20))):
-            np.testing.assert_array_equal(w8a8_matmul(x[jnp.array(rows)], w, scale, **kw),
+            np.testing.assert_array_equal(w8a8_matmul(x[jnp.array(rows)], w_, scale, wsum),
                                           full[rows])
 
 
 @needs_kernel
 def test_w8a8_kernel_builds_for_a_cpu_without_avx512(tmp_path):
-    """The kernel source compiles for x86-64-v3 (AVX2, no AVX-512, no VNNI) and for the
-    machine's own flags: the VNNI code is compiled by function attribute and chosen at run
-    time (`__builtin_cpu_supports`), so a CPU without it runs the portable path, whose results
-    the test above compares."""
+    """The W8A8 and Q8_0 kernel sources compile for x86-64-v3 (AVX2, no AVX-512, no VNNI) and
+    for the machine's own flags: the VNNI code is compiled by function attribute and chosen at
+    run time (`__builtin_cpu_supports`), so a CPU without it runs the portable path, whose
+    results the tests above compare."""
     import platform
     import shutil
     import subprocess
 
     if platform.machine() != "x86_64" or shutil.which("c++") is None:
         pytest.skip("x86-64 with a C++ compiler only")
-    src = cpu_attention._SOURCES[-1]
-    assert src.name == "w8a8_matmul_cpu.cc"
-    proc = subprocess.run(["c++", "-O2", "-march=x86-64-v3", "-std=c++17", "-c", "-fPIC",
-                           f"-I{jax.ffi.include_dir()}", str(src), "-o", str(tmp_path / "k.o")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    for src in cpu_attention._SOURCES:
+        if src.name not in ("w8a8_matmul_cpu.cc", "q8_0_matmul_cpu.cc"):
+            continue
+        proc = subprocess.run(["c++", "-O2", "-march=x86-64-v3", "-std=c++17", "-c", "-fPIC",
+                               f"-I{jax.ffi.include_dir()}", str(src), "-o",
+                               str(tmp_path / "k.o")], capture_output=True, text=True)
+        assert proc.returncode == 0, (src.name, proc.stderr[-2000:])
     assert cpu_attention.w8a8_isa() in ("avx512-vnni", "portable")
 
 
@@ -284,9 +300,10 @@ def float_outputs(tiny_model_dir):
 
 
 @pytest.mark.parametrize("options", [dict(quantization="int8"), dict(quantization="w8a8"),
+                                     dict(quantization="q8_0"),
                                      dict(kv_cache_dtype="int8"), dict(kv_cache_dtype="fp8"),
                                      dict(kv_cache_dtype="int8", attention_backend="xla")],
-                         ids=["w-int8", "w8a8", "kv-int8", "kv-fp8", "kv-int8-xla"])
+                         ids=["w-int8", "w8a8", "q8_0", "kv-int8", "kv-fp8", "kv-int8-xla"])
 def test_quantized_engine_greedy_ids_match_float_where_margins_are_large(
         make_llm, tiny_model_dir, float_outputs, options):
     llm = make_llm(tiny_model_dir, max_num_seqs=4, compilation_cache_dir=None, **options)
@@ -367,12 +384,14 @@ def test_gguf_file_runs_directly(make_llm, tmp_path, monkeypatch, qtype):
 
 @needs_kernel
 @pytest.mark.parametrize("options", [dict(kv_cache_dtype="int8", attention_backend="cpu"),
-                                     dict(quantization="w8a8")], ids=["kv-int8", "w8a8"])
+                                     dict(quantization="w8a8"), dict(quantization="q8_0")],
+                         ids=["kv-int8", "w8a8", "q8_0"])
 def test_8bit_modes_keep_batch_invariance(make_llm, head64_model_dir, options):
     """Batch-invariant results stay bitwise the same alone, together and chunked (the tiny
     Llama with 64-feature heads, as `test_batch_invariance` runs the kernel): with an 8-bit
     pool the C++ kernel attends to a step's own tokens as the pool holds them; with W8A8
-    weights every step is W8A8, whose integer sums do not mix a step's rows."""
+    weights every step is W8A8, whose integer sums do not mix a step's rows; with Q8_0 every
+    step takes the Q8_0 kernel, which computes each row alone."""
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 20000, n).tolist()} for n in (9, 40, 23)]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
@@ -393,23 +412,3 @@ def test_8bit_modes_keep_batch_invariance(make_llm, head64_model_dir, options):
     chunked = make_llm(head64_model_dir, max_num_batched_tokens=16,
                        long_prefill_token_threshold=8, **kw)
     assert run(chunked, [0, 1, 2]) == alone
-
-
-@needs_kernel
-def test_w8a8_layers_are_weight_only_for_one_or_two_tokens_but_in_batch_invariant_mode():
-    """"auto" (`quantization="w8a8"`): steps of up to W8A8_KERNEL_MAX_ROWS tokens on the kernels
-    take the weight-only matmul, larger ones W8A8; "int8" (batch-invariant mode) is W8A8 at
-    every size."""
-    from jaxpaged.models.quantization import W8A8, _matmul
-    from jaxpaged.pallas_kernels.quantized_matmul import W8A8_KERNEL_MAX_ROWS
-
-    x, w, scale = _w8a8_operands(W8A8_KERNEL_MAX_ROWS + 1, 64, 96)
-    small, large = x[:W8A8_KERNEL_MAX_ROWS], x
-    assert W8A8(use_kernel=True).activations == "auto"
-    assert W8A8(use_kernel=True, batch_invariant=True).activations == "int8"
-    np.testing.assert_array_equal(_matmul(small, w, scale, "auto", True),
-                                  int8_matmul(small, w, scale, use_kernel=True))
-    np.testing.assert_array_equal(_matmul(large, w, scale, "auto", True),
-                                  w8a8_matmul(large, w, scale, use_kernel=True))
-    np.testing.assert_array_equal(_matmul(small, w, scale, "int8", True),
-                                  w8a8_matmul(small, w, scale, use_kernel=True))

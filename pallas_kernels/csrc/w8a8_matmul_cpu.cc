@@ -1,5 +1,5 @@
-// The int8 dot of W8A8 for XLA on CPU (an XLA FFI custom call): int8 activations times int8
-// weights summed in int32, `quantized_matmul.int8_dot`.
+// The int8 GEMM of W8A8 for XLA on CPU (an XLA FFI custom call): int8 activations times int8
+// weights summed in int32, `quantized_matmul.int8_dot_packed_kernel`.
 //
 //   acc[m, n] = sum_k xq[m, k] * w[n, k]
 //
@@ -8,28 +8,36 @@
 // is exact in int32, so it equals XLA's int8 dot bit for bit whichever path runs, and a row's
 // sums do not depend on the other rows of the step.
 //
-// It serves the steps of one or two tokens (a decode of one sequence), where the weights are
-// read once per token and memory bandwidth decides; larger steps are XLA's int8 dot, which
-// quantized_matmul.py routes elsewhere. With AVX-512 VNNI (checked at run time:
-// `__builtin_cpu_supports`), one `vpdpbusd` does 64 multiply-adds of u8 x s8 bytes into 16
-// int32 lanes, four times a float32 FMA's 16, so the int8 weights are read at memory speed with
-// no widening. Its first operand is unsigned: the weights are offset by 128 in registers
-// (w ^ 0x80 == w + 128 as a u8), and 128 * sum_k xq[m, k] is subtracted from each row's sums
-// at the end. Each output is a dot product along K, 64 weight bytes per instruction straight
-// from memory (once for two rows of x), kGemvCols rows of w side by side, the tiles ahead
-// prefetched (the hardware prefetcher does not follow short rows read side by side). Without
-// VNNI the portable path computes the same int32 sums with plain loops (which the compiler
-// vectorizes for the machine it builds on): the same results, slower.
+// The weights come packed once, at load time (`quantized_matmul.pack_int8`), in panels of 16
+// output channels, four consecutive k of each channel side by side:
 //
-// A task is a block of kColBlock output columns over every row of x; tasks are shared with
-// XLA's intra-op thread pool.
+//   wp[p, k4, j, i] = w[16 p + j, 4 k4 + i]      (zero past N or K)
 //
-// Inputs: xq s8[M, K], w s8[N, K]. Attribute `portable` (bool): take the portable path even
-// where VNNI exists (tests). Output: acc s32[M, N].
+// so one 64-byte load holds 4 k of 16 channels, the operand layout of AVX-512 VNNI's
+// `vpdpbusd`, which multiplies 4 u8 x s8 byte pairs into each of 16 int32 lanes (64
+// multiply-adds, four times a float32 FMA's 16). Each activation row's 4 bytes at k4 are
+// broadcast to all lanes, so a tile of up to kRows rows x 2 panels keeps 12 accumulators in
+// registers and reads each weight vector once per tile: a GEMM for prefill and batched
+// decode, and for one or two rows a GEMV that streams the weights at memory speed. vpdpbusd's
+// first operand is unsigned: the activations are offset by 128 (as u8, x + 128, in a buffer
+// per call) and 128 * wsum[n] (wsum[n] = sum_k w[n, k], computed when packing) is subtracted
+// from each sum at the end.
+//
+// VNNI is checked at run time (`__builtin_cpu_supports`); without it the portable path
+// computes the same int32 sums with plain loops (which the compiler vectorizes for the machine
+// it builds on): the same results, slower.
+//
+// A task is a group of kGroupPanels panels over a block of kRowBlock rows; tasks are shared
+// with XLA's intra-op thread pool.
+//
+// Inputs: xq s8[M, K], wp s8[P, K4, 16, 4] with P = ceil(N / 16) and K4 = ceil(K / 4), wsum
+// s32[16 P]. Attribute `portable` (bool): take the portable path even where VNNI exists
+// (tests). Output: acc s32[M, N] (N from its shape, 16 (P - 1) < N <= 16 P).
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -46,9 +54,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kColBlock = 64;    // output columns per task
-constexpr int64_t kGemvCols = 8;     // outputs per tile
-constexpr int64_t kPrefetchTiles = 2;  // GEMV tiles prefetched ahead
+constexpr int64_t kPanel = 16;       // output channels per panel
+constexpr int64_t kRows = 6;         // activation rows per tile
+constexpr int64_t kGroupPanels = 4;  // panels per task
+constexpr int64_t kRowBlock = 48;    // rows per task
 
 bool HasVnni() {
 #ifdef JAXPAGED_X86
@@ -64,117 +73,138 @@ bool HasVnni() {
 
 struct Work {
   const int8_t* xq;
-  const int8_t* w;
+  const int8_t* wp;
+  const int32_t* wsum;
   int32_t* y;
-  int64_t M, N, K;
+  int64_t M, N, K, P, K4;
   bool vnni;
-  std::vector<int32_t> rowsum;  // VNNI path: sum_k xq[m, k], for the offset of the weights
-  int64_t num_tasks;
+  std::vector<uint8_t> xu;  // VNNI path: xq + 128 as u8, rows of 4 * K4 bytes (128 past K)
+  int64_t row_blocks, num_tasks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void Prepare() {
     if (!vnni) return;
-    rowsum.assign(M, 0);
-    for (int64_t m = 0; m < M; ++m) {
-      int32_t s = 0;
-      const int8_t* r = xq + m * K;
-      for (int64_t k = 0; k < K; ++k) s += r[k];
-      rowsum[m] = s;
-    }
+    xu.assign(M * K4 * 4, 128);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k)
+        xu[m * K4 * 4 + k] = static_cast<uint8_t>(int32_t(xq[m * K + k]) + 128);
   }
 
   // The portable path: the same int32 sums with plain loops.
-  void PortableTask(int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; ++m) {
-      const int8_t* xr = xq + m * K;
-      for (int64_t n = n0; n < n1; ++n) {
-        const int8_t* wr = w + n * K;
-        int32_t acc = 0;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t k = 0; k < K; ++k) acc += int32_t(xr[k]) * int32_t(wr[k]);
-        y[m * N + n] = acc;
+  void PortableTask(int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+    std::vector<int32_t> acc(kPanel);
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t p = p0; p < p1; ++p) {
+        std::fill(acc.begin(), acc.end(), 0);
+        const int8_t* panel = wp + p * K4 * kPanel * 4;
+        for (int64_t k = 0; k < K; ++k) {
+          const int32_t x = xq[m * K + k];
+          const int8_t* wk = panel + (k / 4) * kPanel * 4 + k % 4;
+          for (int64_t j = 0; j < kPanel; ++j) acc[j] += x * int32_t(wk[4 * j]);
+        }
+        for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
+          y[m * N + p * kPanel + j] = acc[j];
       }
-    }
   }
 
 #ifdef JAXPAGED_X86
-  // acc[m .. m + R, n .. n + nc) for nc <= kGemvCols outputs, 64 bytes of K per
-  // instruction, each weight vector loaded once for the R rows.
-  template <int R>
-  JAXPAGED_VNNI void GemvTile(int64_t m, int64_t n, int64_t nc, const int8_t* ahead,
-                              int64_t ahead_bytes) {
-    const int8_t* wr[kGemvCols];
-    for (int64_t j = 0; j < kGemvCols; ++j) wr[j] = w + (n + std::min(j, nc - 1)) * K;
-    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512i acc[R][kGemvCols];
+  // acc[m0 .. m0 + R, panels p0 .. p0 + NP): R rows x NP panels of 16 channels.
+  template <int R, int NP>
+  JAXPAGED_VNNI void Tile(int64_t m0, int64_t p0) {
+    const int8_t* panel[NP];
+    for (int q = 0; q < NP; ++q) panel[q] = wp + (p0 + q) * K4 * kPanel * 4;
+    const uint8_t* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = xu.data() + (m0 + r) * K4 * 4;
+    __m512i acc[R][NP];
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < kGemvCols; ++j) acc[r][j] = _mm512_setzero_si512();
-    const int64_t steps = std::max<int64_t>(1, (K + 63) / 64);
-    const int64_t pf_step = 64 * ((ahead_bytes / 64 + steps - 1) / steps);
-    int64_t pf = 0;
-    for (int64_t k = 0; k < K; k += 64) {
-      for (const int64_t end = std::min(ahead_bytes, pf + pf_step); pf < end; pf += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead) + pf, _MM_HINT_T0);
-      const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
-      __m512i xv[R];
-      for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_epi8(mask, xq + (m + r) * K + k);
-      for (int j = 0; j < kGemvCols; ++j) {  // zero past K, in x and in w
-        const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, wr[j] + k), offset);
-        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], wv, xv[r]);
+      for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_si512();
+    for (int64_t k4 = 0; k4 < K4; ++k4) {
+      __m512i wv[NP];
+      for (int q = 0; q < NP; ++q) wv[q] = _mm512_loadu_si512(panel[q] + k4 * kPanel * 4);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xr[r] + 4 * k4, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], xb, wv[q]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const int32_t bias = 128 * rowsum[m + r];
-      for (int64_t j = 0; j < nc; ++j)
-        y[(m + r) * N + n + j] = _mm512_reduce_add_epi32(acc[r][j]) - bias;
+    for (int q = 0; q < NP; ++q) {
+      const int64_t n0 = (p0 + q) * kPanel;
+      const __mmask16 mask = N - n0 >= kPanel ? __mmask16(0xFFFF)
+                                              : __mmask16((1u << (N - n0)) - 1);
+      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(wsum + n0), 7);
+      for (int r = 0; r < R; ++r)
+        _mm512_mask_storeu_epi32(y + (m0 + r) * N + n0, mask,
+                                 _mm512_sub_epi32(acc[r][q], offset));
     }
   }
 
-  void VnniTask(int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += 2)  // rows in pairs: each weight read once per pair
-      for (int64_t n = n0; n < n1; n += kGemvCols) {
-        const int64_t a0 = std::min(N, n + kPrefetchTiles * kGemvCols);
-        const int64_t a1 = std::min(N, a0 + kGemvCols);
-        const int64_t nc = std::min(kGemvCols, n1 - n);
-        if (m + 1 < M)
-          GemvTile<2>(m, n, nc, w + a0 * K, (a1 - a0) * K);
+  template <int NP>
+  void Rows(int64_t m0, int64_t rows, int64_t p0) {
+    switch (rows) {
+      case 1: Tile<1, NP>(m0, p0); break;
+      case 2: Tile<2, NP>(m0, p0); break;
+      case 3: Tile<3, NP>(m0, p0); break;
+      case 4: Tile<4, NP>(m0, p0); break;
+      case 5: Tile<5, NP>(m0, p0); break;
+      default: Tile<6, NP>(m0, p0); break;
+    }
+  }
+
+  void VnniTask(int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p += 2)  // a panel pair stays in cache over the rows
+      for (int64_t m = m0; m < m1; m += kRows) {
+        const int64_t rows = std::min(kRows, m1 - m);
+        if (p + 1 < p1)
+          Rows<2>(m, rows, p);
         else
-          GemvTile<1>(m, n, nc, w + a0 * K, (a1 - a0) * K);
+          Rows<1>(m, rows, p);
       }
   }
 #endif
 
   void Run() {
     for (int64_t t; (t = next.fetch_add(1)) < num_tasks;) {
-      const int64_t n0 = t * kColBlock, n1 = std::min(N, n0 + kColBlock);
+      const int64_t g = t / row_blocks, b = t % row_blocks;
+      const int64_t p0 = g * kGroupPanels, p1 = std::min(P, p0 + kGroupPanels);
+      const int64_t m0 = b * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
 #ifdef JAXPAGED_X86
       if (vnni)
-        VnniTask(n0, n1);
+        VnniTask(m0, m1, p0, p1);
       else
 #endif
-        PortableTask(n0, n1);
+        PortableTask(m0, m1, p0, p1);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
 ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
-                          ffi::Buffer<ffi::S8> w, ffi::ResultBuffer<ffi::S32> y,
-                          bool portable) {
+                          ffi::Buffer<ffi::S8> wp, ffi::Buffer<ffi::S32> wsum,
+                          ffi::ResultBuffer<ffi::S32> y, bool portable) {
   auto xd = xq.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
-    return ffi::Error::InvalidArgument("w8a8_matmul_cpu: xq must be [M, K] and w [N, K]");
+  auto wd = wp.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[2] != kPanel || wd[3] != 4 ||
+      wd[1] != (xd[1] + 3) / 4 || yd.size() != 2 || yd[0] != xd[0] ||
+      (yd[1] + kPanel - 1) / kPanel != wd[0] || wsum.element_count() != wd[0] * kPanel)
+    return ffi::Error::InvalidArgument(
+        "w8a8_matmul_cpu: xq must be [M, K], wp [ceil(N/16), ceil(K/4), 16, 4], "
+        "wsum [16 ceil(N/16)] and the output [M, N]");
   auto work = std::make_shared<Work>();
   work->xq = reinterpret_cast<const int8_t*>(xq.typed_data());
-  work->w = reinterpret_cast<const int8_t*>(w.typed_data());
+  work->wp = reinterpret_cast<const int8_t*>(wp.typed_data());
+  work->wsum = wsum.typed_data();
   work->y = y->typed_data();
   work->M = xd[0];
-  work->N = wd[0];
-  work->K = wd[1];
+  work->K = xd[1];
+  work->N = yd[1];
+  work->P = wd[0];
+  work->K4 = wd[1];
   work->vnni = !portable && HasVnni();
-  work->num_tasks = (work->N + kColBlock - 1) / kColBlock;
+  work->row_blocks = (work->M + kRowBlock - 1) / kRowBlock;
+  work->num_tasks = (work->P + kGroupPanels - 1) / kGroupPanels * work->row_blocks;
   if (work->M == 0 || work->num_tasks == 0) return ffi::Error::Success();
   work->Prepare();
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->num_tasks) - 1;
@@ -193,6 +223,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedW8A8Matmul, W8A8MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S8>>()   // xq
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // w
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // wp
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // wsum
                                   .Ret<ffi::Buffer<ffi::S32>>()  // acc
                                   .Attr<bool>("portable"));
