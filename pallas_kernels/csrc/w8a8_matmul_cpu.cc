@@ -18,7 +18,7 @@
 // multiply-adds, four times a float32 FMA's 16). Each activation row's 4 bytes at k4 are
 // broadcast to all lanes, so a tile of up to kRows rows x 2 panels keeps 12 accumulators in
 // registers and reads each weight vector once per tile: a GEMM for prefill and batched
-// decode, and for one or two rows a GEMV that streams the weights at memory speed. vpdpbusd's
+// decode; one or two rows take 4 panels at a time (a GEMV streaming 4 weight panels). vpdpbusd's
 // first operand is unsigned: the activations are offset by 128 (as u8, x + 128, in a buffer
 // per call) and 128 * wsum[n] (wsum[n] = sum_k w[n, k], computed when packing) is subtracted
 // from each sum at the end.
@@ -153,6 +153,12 @@ struct Work {
   }
 
   void VnniTask(int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+    if (m1 - m0 <= 2) {  // a GEMV: four weight streams at a time
+      int64_t p = p0;
+      for (; p + 4 <= p1; p += 4) m1 - m0 == 1 ? Tile<1, 4>(m0, p) : Tile<2, 4>(m0, p);
+      for (; p < p1; ++p) m1 - m0 == 1 ? Tile<1, 1>(m0, p) : Tile<2, 1>(m0, p);
+      return;
+    }
     for (int64_t p = p0; p < p1; p += 2)  // a panel pair stays in cache over the rows
       for (int64_t m = m0; m < m1; m += kRows) {
         const int64_t rows = std::min(kRows, m1 - m);
