@@ -49,8 +49,10 @@ W8A8_ACTIVATION_TERMS = 2
 # Values per GGUF Q8_0 block (ggml's QK8_0).
 Q8_0_BLOCK = 32
 # Steps of up to this many rows take the C++ Q8_0 kernel (where the caller allows it); larger
-# ones a float32 dot of the dequantized blocks (`bench/results/quantized-matmul.json`).
-Q8_0_KERNEL_MAX_ROWS = 8
+# ones a float32 dot of the dequantized blocks, which dequantizes every weight at each call
+# (`bench/results/quantized-matmul.json`: the kernel is faster to about 128 rows on the LM
+# head, level with float32 from 32 to 128 on the layers).
+Q8_0_KERNEL_MAX_ROWS = 64
 
 
 def int8_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
