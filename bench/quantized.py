@@ -15,6 +15,7 @@ repository). Engines, each on one of those two files:
   jaxpaged-w8a8     LLM(model=Q8_0 file, quantization="w8a8"): int8 activations too
   jaxpaged-q8_0     LLM(model=Q8_0 file, quantization="q8_0"): the file's Q8_0 blocks as they are
   jaxpaged-default  LLM(model=Q8_0 file): what a GGUF file gets by default
+  jaxpaged-default-kv8  the same with an int8 KV pool (`kv_cache_dtype="int8"`)
 
 Workload: the 64-prompt ShareGPT set (vLLM's filter, seed 0, outputs capped at 256 tokens),
 greedy, EOS ignored, prompts sent as token ids so both engines see the same tokens; at most 32
@@ -50,7 +51,7 @@ from sharegpt import sample_requests  # noqa: E402
 
 RESULTS = BENCH / "results"
 ENGINES = ["llama.cpp-f32", "llama.cpp-q8_0", "jaxpaged-float32", "jaxpaged-int8",
-           "jaxpaged-w8a8", "jaxpaged-q8_0", "jaxpaged-default"]
+           "jaxpaged-w8a8", "jaxpaged-q8_0", "jaxpaged-default", "jaxpaged-default-kv8"]
 SLOTS = 32
 TPOT_TOKENS = 128
 
@@ -133,11 +134,13 @@ def run_llama_cpp(bin_dir: Path, model: Path, requests: list[dict], threads: int
 
 # -- jaxpaged ---------------------------------------------------------------------------------
 
-def run_jaxpaged(model: Path, quantization, requests: list[dict]) -> dict:
+def run_jaxpaged(model: Path, quantization, requests: list[dict],
+                 kv_cache_dtype: str = "auto") -> dict:
     from jaxpaged import LLM, SamplingParams
 
     max_len = max(len(r["prompt_token_ids"]) + r["output_len"] for r in requests)
     options = {} if quantization == "default" else {"quantization": quantization}
+    options["kv_cache_dtype"] = kv_cache_dtype
     start = time.perf_counter()
     llm = LLM(str(model), max_model_len=max(max_len, 2048), max_num_seqs=SLOTS,
               precompile=True, **options)
@@ -159,7 +162,7 @@ def run_jaxpaged(model: Path, quantization, requests: list[dict]) -> dict:
     resolved = llm.llm_engine.quantization
     return {"elapsed_s": elapsed, "output_tokens": tokens,
             "output_tokens_per_s": tokens / elapsed, "tpot_batch1_s": tpot,
-            "startup_s": startup, "quantization": resolved}
+            "startup_s": startup, "quantization": resolved, "kv_cache_dtype": kv_cache_dtype}
 
 
 def tpot_batch1(complete, request: dict, repeats: int = 3) -> float:
@@ -179,15 +182,52 @@ def tpot_batch1(complete, request: dict, repeats: int = 3) -> float:
     return (timed(TPOT_TOKENS + 1) - timed(1)) / TPOT_TOKENS
 
 
+def paired_tpot(bin_dir: Path, model: Path, requests: list[dict], threads: int,
+                rounds: int) -> dict:
+    """Batch-1 TPOT of llama-server and of jaxpaged's default engine on the same file, both
+    alive at once and measured in turns (`tpot_batch1` each, the order swapped every round),
+    so that the machine's drift over a run (20% here between runs minutes apart) falls on
+    both alike."""
+    from jaxpaged import LLM, SamplingParams
+
+    max_len = max(len(r["prompt_token_ids"]) + r["output_len"] for r in requests)
+    llm = LLM(str(model), max_model_len=max(max_len, 2048), max_num_seqs=SLOTS, precompile=True)
+
+    def jaxpaged(ids, n):
+        llm.generate([{"prompt_token_ids": ids}],
+                     SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                     use_tqdm=False)
+
+    ctx = len(requests[0]["prompt_token_ids"]) + TPOT_TOKENS + 8
+    server = LlamaServer(bin_dir, model, ctx, threads)
+    times = {"llama.cpp-q8_0": [], "jaxpaged-default": []}
+    try:
+        engines = [("llama.cpp-q8_0", server.complete), ("jaxpaged-default", jaxpaged)]
+        for r in range(rounds):
+            for name, complete in engines[::1 if r % 2 == 0 else -1]:
+                times[name].append(tpot_batch1(complete, requests[0]))
+    finally:
+        server.close()
+    llama, ours = times["llama.cpp-q8_0"], times["jaxpaged-default"]
+    return {"rounds": rounds, "tpot_batch1_s": times,
+            "median_s": {k: statistics.median(v) for k, v in times.items()},
+            "ratio (llama.cpp / jaxpaged: > 1 is faster)":
+                statistics.median(llama) / statistics.median(ours),
+            "rounds_jaxpaged_faster": sum(o < t for o, t in zip(ours, llama))}
+
+
 # -- the run ----------------------------------------------------------------------------------
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    p.add_argument("--engines", nargs="*", default=ENGINES, choices=ENGINES)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2,
                    help="llama-server's threads (jaxpaged uses XLA's pool: every core)")
+    p.add_argument("--tpot-rounds", type=int, default=0,
+                   help="then batch-1 TPOT of llama.cpp Q8_0 and jaxpaged's default in turns, "
+                        "this many rounds (`paired_tpot`)")
     p.add_argument("--out", type=Path, default=RESULTS / "quantized.json")
     args = p.parse_args(argv)
 
@@ -210,7 +250,9 @@ def main(argv=None) -> dict:
             results[engine] = run_llama_cpp(bin_dir, files[mode], requests, args.threads)
         else:
             model = files["f32"] if mode == "float32" else files["q8_0"]
-            results[engine] = run_jaxpaged(model, None if mode == "float32" else mode, requests)
+            mode, _, kv = mode.partition("-kv")
+            results[engine] = run_jaxpaged(model, None if mode == "float32" else mode, requests,
+                                           kv_cache_dtype="int8" if kv == "8" else "auto")
         results[engine]["file"] = files["f32" if mode in ("f32", "float32") else "q8_0"].name
         print(engine, json.dumps(results[engine]), flush=True)
     ratios = {}
@@ -232,6 +274,10 @@ def main(argv=None) -> dict:
                          "w8a8_kernel_isa": cpu_attention.w8a8_isa(),
                          "total_output_tokens": sum(r["output_len"] for r in requests)},
               "results": results, "ratios": ratios}
+    if args.tpot_rounds:
+        report["tpot_paired"] = paired_tpot(bin_dir, files["q8_0"], requests, args.threads,
+                                            args.tpot_rounds)
+        print("paired batch-1 TPOT", json.dumps(report["tpot_paired"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"{'engine':18} {'file':18} {'out tok/s':>9} {'TPOT b1 ms':>10}")
