@@ -7,8 +7,11 @@ tied LM head) and each number of rows M (tokens in the step), the median time of
 of:
 - `float32`: `x @ w.T` in float32 (XLA's dot);
 - `int8`: weight-only int8, per output channel (`int8_matmul`, the C++ kernel);
-- `w8a8-xla` / `w8a8-kernel`: W8A8 per channel (two int8 terms per row) with XLA's int8 dot /
-  the C++ VNNI GEMM on packed weights (`pack_int8`), the engine's path on CPU;
+- `int8-dot-xla` / `int8-dot-kernel`: the bare int8 x int8 -> int32 product of M int8 rows
+  (x cast to int8) by XLA's int8 dot / by the C++ VNNI GEMM on packed weights (`pack_int8`);
+- `w8a8-xla` / `w8a8-kernel`: W8A8 per channel, the whole call (two int8 terms per row, so
+  twice M rows, and their quantization) with each of those products, the kernel being the
+  engine's path on CPU;
 - `q8_0-kernel`: GGUF Q8_0 blocks as they are, x quantized per 32 values and multiplied block
   by block by the C++ kernel (`q8_0_dot_kernel`, any number of rows);
 - `q8_0-float`: x in float32 times the Q8_0 blocks' values (XLA's dot);
@@ -63,7 +66,14 @@ def paths(rows: int):
         xq, dx = qm.quantize_q8_0(x)
         return qm.q8_0_dot_kernel(xq, dx, wt["q8"], wt["d8"])
 
+    import jax.numpy as jnp
+
+    def dot_kernel(x, wt):
+        return qm.int8_dot_kernel(x.astype(jnp.int8), wt["wp"], wt["wsum"], wt["w"].shape[0])
+
     fns = {"float32": lambda x, wt: x @ wt["f"].T,
+           "int8-dot-xla": lambda x, wt: qm.int8_dot_reference(x.astype(jnp.int8), wt["w"]),
+           "int8-dot-kernel": dot_kernel,
            "int8": lambda x, wt: qm.int8_matmul(x, wt["w"], wt["scale"], use_kernel=True),
            "w8a8-xla": lambda x, wt: qm.w8a8_matmul(x, wt["w"], wt["scale"]),
            "w8a8-kernel": w8a8_kernel,

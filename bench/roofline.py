@@ -205,7 +205,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=6, help="decode steps timed per batch size")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--dtype", default="float32", help="the engine's dtype (float32, bfloat16)")
-    p.add_argument("--quantization", default=None, help="LLM(quantization=...): int8, w8a8")
+    p.add_argument("--quantization", default=None, help="LLM(quantization=...): int8, w8a8, q8_0")
     p.add_argument("--attention-backend", default="auto", help="LLM(attention_backend=...)")
     p.add_argument("--out", type=Path, default=Path("bench/results/roofline.json"))
     args = p.parse_args(argv)

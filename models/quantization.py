@@ -3,8 +3,9 @@ activations too (`LLM(quantization="w8a8")`), or in GGUF's Q8_0 blocks
 (`LLM(quantization="q8_0")`).
 
 Every linear layer's kernel `f[K, N]` becomes `weight: i8[N, K]` (output rows by input
-features, as Hugging Face and GGUF store them) and `scale: f32[N]`: symmetric, per output
-channel, `scale = max|w[n]| / 127` (`pallas_kernels.quantized_matmul.quantize_int8`, the scheme
+features, as Hugging Face and GGUF store them; packed for the C++ kernel by "w8a8" on a CPU
+with VNNI) and `scale: f32[N]` ("q8_0": `f32[N, K // 32]`): with "int8" and "w8a8"
+symmetric, per output channel, `scale = max|w[n]| / 127` (`pallas_kernels.quantized_matmul.quantize_int8`, the scheme
 of vLLM's and TensorRT-LLM's weight-only int8). The matmul reads the int8 weights
 (`int8_matmul`: the C++ kernel on CPU); activations, norms, biases and the KV cache keep their
 dtype. With `embeddings=True` the token embedding (and so a tied LM head) is quantized the same
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS
 from jaxpaged.pallas_kernels.quantized_matmul import (Q8_0_BLOCK, int8_matmul, pack_int8,
                                                       q8_0_matmul, quantize_int8, quantize_q8_0,
@@ -64,16 +66,17 @@ class QuantizedLinear(nnx.Module):
     packed by `pack_int8` (i8[ceil(N/16), ceil(K/4), 16, 4], with `wsum: i32[16 ceil(N/16)]`);
     scale: f32[N] by its first axis, or with "q8_0" f32[N, K // 32] (one per block of 32 along
     K) as the weight; bias: f[N] or None (kept as it was); `in_features`, `out_features`: K
-    and N, whatever the layout. `activations`: "float"
+    and N, whatever the layout (K given for a packed weight). `activations`: "float"
     (weight-only), "int8" (x quantized per token, W8A8), or with GGUF Q8_0 blocks "q8_0" (x
     quantized per block of 32) or "q8_0-auto" (so only for steps of a few tokens on the CPU
     kernel, x in float32 for the rest).
     """
 
     def __init__(self, weight: jax.Array, scale: jax.Array, bias, *, spec: tuple,
-                 in_features: int, use_kernel: bool = False, activations: str = "float",
-                 wsum=None):
-        self.in_features, self.out_features = in_features, scale.shape[0]
+                 in_features: int | None = None, use_kernel: bool = False,
+                 activations: str = "float", wsum=None):
+        self.in_features = weight.shape[1] if in_features is None else in_features
+        self.out_features = scale.shape[0]
         self.weight = _param(weight, spec if weight.ndim == 2 else (None,) * weight.ndim)
         self.scale = _param(scale, spec[:scale.ndim])
         self.wsum = None if wsum is None else _param(wsum, (None,))
@@ -93,18 +96,18 @@ class QuantizedEmbed(nnx.Module):
     """A token embedding with int8 rows: `__call__(ids)` looks up `weight[ids] * scale[ids]`,
     `attend(x)` is the tied LM head `x @ (weight * scale).T`; both in `dtype`.
 
-    weight: i8[V, D], or packed as `QuantizedLinear`'s (`features` = D, rows looked up in
-    place, `unpack_rows`); scale: f32[V], or with "q8_0" f32[V, D // 32]; split on V over the
+    weight: i8[V, D], or packed as `QuantizedLinear`'s (`features` = D, given for a packed
+    weight; rows looked up in place, `unpack_rows`); scale: f32[V], or with "q8_0" f32[V, D // 32]; split on V over the
     mesh, as `nnx.Embed` is. `activations`: as `QuantizedLinear`'s, for `attend`.
     """
 
-    def __init__(self, weight: jax.Array, scale: jax.Array, dtype, *, features: int,
+    def __init__(self, weight: jax.Array, scale: jax.Array, dtype, *, features: int | None = None,
                  use_kernel: bool = False, activations: str = "float", wsum=None):
         self.weight = _param(weight, (MODEL_AXIS, None) if weight.ndim == 2
                              else (None,) * weight.ndim)
         self.scale = _param(scale, (MODEL_AXIS, None)[:scale.ndim])
         self.wsum = None if wsum is None else _param(wsum, (None,))
-        self.features = features
+        self.features = weight.shape[1] if features is None else features
         self.dtype = dtype
         self.use_kernel = use_kernel
         self.activations = activations
@@ -192,13 +195,14 @@ class Int8WeightOnly(QuantizationMethod):
 
 class W8A8(Int8WeightOnly):
     """`Int8WeightOnly`'s weights, and each layer's input quantized per token (`w8a8_matmul`) at
-    every step size; on the C++ kernels the weights are packed for the W8A8 GEMM
-    (`pack_int8`)."""
+    every step size. On the C++ kernels of a CPU with AVX-512 VNNI the weights are packed for
+    the W8A8 GEMM (`pack_int8`); elsewhere they stay i8[N, K] for XLA's int8 dot, which gives
+    the same bits (the kernel's portable loop would be slower than XLA's dot)."""
 
     activations = "int8"
 
     def layout(self, weight: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        if not self.use_kernel:
+        if not (self.use_kernel and cpu_attention.w8a8_isa() == "avx512-vnni"):
             return weight, None
         return jax.jit(pack_int8)(weight)
 
@@ -239,7 +243,8 @@ def quantize_model(model: nnx.Module, method: str | None, *, embeddings: bool = 
     mode (a scheme may compute a row one way only).
 
     Raises:
-      ValueError: an unknown `method`.
+      ValueError: an unknown `method`, or a layer it cannot hold (named; Q8_0: input features
+        not a multiple of 32).
     """
     check_quantization(method)
     if method is None:
@@ -247,12 +252,16 @@ def quantize_model(model: nnx.Module, method: str | None, *, embeddings: bool = 
     scheme = QUANTIZATION_METHODS[method](mesh=mesh, use_kernel=use_kernel and mesh is None,
                                           batch_invariant=batch_invariant)
     for path, node in list(nnx.iter_graph(model)):
-        if isinstance(node, nnx.Linear):
-            new = scheme.linear(node)
-        elif isinstance(node, nnx.Embed) and embeddings:
-            new = scheme.embed(node)
-        else:
-            continue
+        try:
+            if isinstance(node, nnx.Linear):
+                new = scheme.linear(node)
+            elif isinstance(node, nnx.Embed) and embeddings:
+                new = scheme.embed(node)
+            else:
+                continue
+        except ValueError as e:  # a layer the scheme cannot hold (Q8_0: K % 32)
+            raise ValueError(f"quantization {method!r} of {'.'.join(map(str, path))}: {e}") \
+                from e
         if new is None:
             continue
         parent = model

@@ -17,14 +17,15 @@ activations are `W8A8_ACTIVATION_TERMS` int8 terms: the second quantizes, per to
 rounding error (`quantize_activations`), which cuts the error bound 127-fold for a second int8
 product over the same weights (the terms are stacked as extra rows of one int8 matmul).
 
-On CPU the int8 products are the C++ kernel's (`csrc/w8a8_matmul_cpu.cc`), a GEMM on weights
-packed once at load time (`pack_int8`: panels of 16 output channels, 4 consecutive k side by
-side, AVX-512 VNNI's operand layout) that runs every step size, from one token's GEMV to a
-prefill chunk, with the VNNI dot product where the CPU has it or a portable loop with the same
-int32 sums; elsewhere XLA's int8 dot. On a 2-core Zen 4 the kernel is 2-3x XLA's int8 dot and
-3-5x a float32 dot from 32 rows up (`bench/results/quantized-matmul.json`). The int32 sums are
-exact and the scaling after them is the same XLA code on every path, so every path gives the
-same bits, and a row's output does not depend on the other rows of its step.
+On a CPU with AVX-512 VNNI the int8 products are the C++ kernel's (`csrc/w8a8_matmul_cpu.cc`),
+a GEMM on weights packed once at load time (`pack_int8`: panels of 16 output channels, 4
+consecutive k side by side, VNNI's operand layout) that runs every step size, from one token's
+GEMV to a prefill chunk; elsewhere XLA's int8 dot (the kernel's portable loop computes the
+same sums, for tests, more slowly than XLA). On a 2-core Zen 4 the kernel's int8 product is
+1.2-2.6x XLA's int8 dot and 1.6-4.7x a float32 dot from 32 rows up, and a whole W8A8 call
+(two activation terms) 0.9-2.4x a float32 dot (`bench/results/quantized-matmul.json`). The
+int32 sums are exact and the scaling after them is the same XLA code on every path, so every
+path gives the same bits, and a row's output does not depend on the other rows of its step.
 
 GGUF's Q8_0 keeps its blocks (`q8_0_matmul`): one scale per 32 weights along K
 (`dw: f32[N, K // 32]`) instead of one per output channel. Steps of a few rows quantize the

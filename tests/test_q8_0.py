@@ -59,6 +59,20 @@ def test_q8_0_names_bad_shapes():
                     activations="int8")
 
 
+def test_q8_0_names_a_layer_it_cannot_hold():
+    from flax import nnx
+
+    from jaxpaged.models.quantization import quantize_model
+
+    class Block(nnx.Module):
+        def __init__(self):
+            self.up = nnx.Linear(64, 48, rngs=nnx.Rngs(0))
+            self.down = nnx.Linear(48, 64, rngs=nnx.Rngs(0))
+
+    with pytest.raises(ValueError, match=r"'q8_0' of down: .*multiple of 32, got 48"):
+        quantize_model(Block(), "q8_0")
+
+
 def _operands(M, N, K):
     kx, kw = jax.random.split(jax.random.key(M * N + K))
     x = jax.random.normal(kx, (M, K)) * jnp.linspace(0.1, 8, K)[None, :]

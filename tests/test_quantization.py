@@ -317,6 +317,13 @@ def test_quantized_engine_greedy_ids_match_float_where_margins_are_large(
         assert list(ids[:n]) == list(ref.token_ids[:n]), (options, ids, ref.token_ids)
         checked += n
     assert checked >= 6, "the float model's margins left too few tokens to compare"
+    if options.get("quantization") == "w8a8":  # packed for the C++ GEMM where it has VNNI
+        from flax import nnx
+
+        runner = llm.llm_engine.runner
+        layer = nnx.merge(runner.graphdef, runner.params).layers[0].mlp.down_proj
+        packed = cpu_attention.available() and cpu_attention.w8a8_isa() == "avx512-vnni"
+        assert layer.weight.ndim == (4 if packed else 2)
     stats = llm.stats()
     if "quantization" in options:
         assert stats["weight_bytes"] < 0.3 * _float_bytes(tiny_model_dir)

@@ -1,5 +1,6 @@
 // GGUF Q8_0 blocks multiplied as they are, for XLA on CPU (an XLA FFI custom call):
-// `quantized_matmul.q8_0_matmul` for steps of one or two tokens.
+// `quantized_matmul.q8_0_dot_kernel`, which `q8_0_matmul` takes for steps of up to
+// `Q8_0_KERNEL_MAX_ROWS` rows (every step in batch-invariant mode).
 //
 //   y[m, n] = sum_b (dx[m, b] * dw[n, b]) * float(sum_{k in block b} xq[m, k] * w[n, k])
 //

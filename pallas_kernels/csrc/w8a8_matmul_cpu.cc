@@ -1,5 +1,5 @@
 // The int8 GEMM of W8A8 for XLA on CPU (an XLA FFI custom call): int8 activations times int8
-// weights summed in int32, `quantized_matmul.int8_dot_packed_kernel`.
+// weights summed in int32, `quantized_matmul.int8_dot_kernel`.
 //
 //   acc[m, n] = sum_k xq[m, k] * w[n, k]
 //
