@@ -5,8 +5,9 @@ activations too (`LLM(quantization="w8a8")`), or in GGUF's Q8_0 blocks
 Every linear layer's kernel `f[K, N]` becomes `weight: i8[N, K]` (output rows by input
 features, as Hugging Face and GGUF store them; packed for the C++ kernel by "w8a8" on a CPU
 with VNNI) and `scale: f32[N]` ("q8_0": `f32[N, K // 32]`): with "int8" and "w8a8"
-symmetric, per output channel, `scale = max|w[n]| / 127` (`pallas_kernels.quantized_matmul.quantize_int8`, the scheme
-of vLLM's and TensorRT-LLM's weight-only int8). The matmul reads the int8 weights
+symmetric, per output channel, `scale = max|w[n]| / 127`
+(`pallas_kernels.quantized_matmul.quantize_int8`, the scheme of vLLM's and TensorRT-LLM's
+weight-only int8). The matmul reads the int8 weights
 (`int8_matmul`: the C++ kernel on CPU); activations, norms, biases and the KV cache keep their
 dtype. With `embeddings=True` the token embedding (and so a tied LM head) is quantized the same
 way, one scale per vocabulary row: the embedding is a fifth of a 135M model's weights.
@@ -97,12 +98,14 @@ class QuantizedEmbed(nnx.Module):
     `attend(x)` is the tied LM head `x @ (weight * scale).T`; both in `dtype`.
 
     weight: i8[V, D], or packed as `QuantizedLinear`'s (`features` = D, given for a packed
-    weight; rows looked up in place, `unpack_rows`); scale: f32[V], or with "q8_0" f32[V, D // 32]; split on V over the
-    mesh, as `nnx.Embed` is. `activations`: as `QuantizedLinear`'s, for `attend`.
+    weight; rows looked up in place, `unpack_rows`); scale: f32[V], or with "q8_0"
+    f32[V, D // 32]; split on V over the mesh, as `nnx.Embed` is. `activations`: as
+    `QuantizedLinear`'s, for `attend`.
     """
 
-    def __init__(self, weight: jax.Array, scale: jax.Array, dtype, *, features: int | None = None,
-                 use_kernel: bool = False, activations: str = "float", wsum=None):
+    def __init__(self, weight: jax.Array, scale: jax.Array, dtype, *,
+                 features: int | None = None, use_kernel: bool = False,
+                 activations: str = "float", wsum=None):
         self.weight = _param(weight, (MODEL_AXIS, None) if weight.ndim == 2
                              else (None,) * weight.ndim)
         self.scale = _param(scale, (MODEL_AXIS, None)[:scale.ndim])

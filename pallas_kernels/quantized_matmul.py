@@ -32,8 +32,9 @@ GGUF's Q8_0 keeps its blocks (`q8_0_matmul`): one scale per 32 weights along K
 activations the same way and sum each block's int8 product in int32 before scaling it, as
 llama.cpp's Q8_0 dot product does (`csrc/q8_0_matmul_cpu.cc`); larger ones multiply float32
 activations by the blocks' values. Quantizing a Q8_0 file's dequantized weights with
-`quantize_q8_0` gives back the file's blocks exactly (its largest value in each block is +-127 times the block's scale), so
-the loader keeps dequantizing to float and `quantization="q8_0"` recovers the file as it is.
+`quantize_q8_0` gives back the file's blocks exactly (its largest value in each block is
++-127 times the block's scale), so the loader keeps dequantizing to float and
+`quantization="q8_0"` recovers the file as it is.
 """
 
 from __future__ import annotations
