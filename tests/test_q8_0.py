@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged import SamplingParams
 from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.pallas_kernels.quantized_matmul import (Q8_0_KERNEL_MAX_ROWS, dequantize_q8_0,
                                                       q8_0_dot_kernel, q8_0_dot_reference,
@@ -144,28 +143,17 @@ def test_engine_on_a_q8_0_gguf_holds_the_files_blocks(make_llm, tmp_path, monkey
     down projection compared byte for byte) and generates the greedy ids of the default
     (W8A8) engine on the same file where margins are large."""
     import gguf
-    import torch
-    from flax import nnx
-    from gguf import GGMLQuantizationType as Q
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from jaxpaged.models.quantization import QuantizedLinear
-    from test_gguf_import import CASES, SHAPE, write_gguf
-    from test_quantization import _confident_prefix
+    from test_quantization import (assert_greedy_ids_match_where_margins_are_large, down_proj,
+                                   write_quantized_gguf)
 
     monkeypatch.setenv("JAXPAGED_HOME", str(tmp_path / "home"))
-    model_type, fields, tokenizer, _ = CASES["llama"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        model_type, **{**SHAPE, **fields, "intermediate_size": 256, "hidden_size": 256}))
-    quant = {name: Q.Q8_0 for name, p in model.state_dict().items()
-             if p.ndim == 2 and "embed" not in name}
     path = tmp_path / "model.gguf"
-    write_gguf(path, "llama", model, tokenizer=tokenizer, quant=quant)
+    write_quantized_gguf(path, "Q8_0")
 
     llm = make_llm(str(path), quantization="q8_0", compilation_cache_dir=None)
-    runner = llm.llm_engine.runner
-    layer = nnx.merge(runner.graphdef, runner.params).layers[0].mlp.down_proj
+    layer = down_proj(llm)
     assert isinstance(layer, QuantizedLinear) and layer.activations == "q8_0-auto"
     tensor = next(t for t in gguf.GGUFReader(str(path)).tensors
                   if t.name == "blk.0.ffn_down.weight")
@@ -174,9 +162,4 @@ def test_engine_on_a_q8_0_gguf_holds_the_files_blocks(make_llm, tmp_path, monkey
     np.testing.assert_array_equal(layer.scale[...], file_scale)
 
     w8a8 = make_llm(str(path), compilation_cache_dir=None)
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
-    ref = [o.outputs[0] for o in w8a8.generate(["ab", "hello"], params, use_tqdm=False)]
-    got = [o.outputs[0] for o in llm.generate(["ab", "hello"], params, use_tqdm=False)]
-    for r, g in zip(ref, got):
-        n = _confident_prefix(r, margin=0.1)
-        assert list(g.token_ids[:n]) == list(r.token_ids[:n])
+    assert_greedy_ids_match_where_margins_are_large(w8a8, llm)

@@ -318,12 +318,8 @@ def test_quantized_engine_greedy_ids_match_float_where_margins_are_large(
         checked += n
     assert checked >= 6, "the float model's margins left too few tokens to compare"
     if options.get("quantization") == "w8a8":  # packed for the C++ GEMM where it has VNNI
-        from flax import nnx
-
-        runner = llm.llm_engine.runner
-        layer = nnx.merge(runner.graphdef, runner.params).layers[0].mlp.down_proj
         packed = cpu_attention.available() and cpu_attention.w8a8_isa() == "avx512-vnni"
-        assert layer.weight.ndim == (4 if packed else 2)
+        assert down_proj(llm).weight.ndim == (4 if packed else 2)
     stats = llm.stats()
     if "quantization" in options:
         assert stats["weight_bytes"] < 0.3 * _float_bytes(tiny_model_dir)
@@ -352,27 +348,54 @@ def test_bad_quantization_options_are_named(tiny_model_dir):
 
 # -- GGUF served directly ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
-def test_gguf_file_runs_directly(make_llm, tmp_path, monkeypatch, qtype):
-    """A GGUF whose linear layers are all Q8_0 (or Q4_K) serves from the file (W8A8,
-    no safetensors written) with the greedy ids of an engine on its imported float32 folder
-    where margins are large."""
+def write_quantized_gguf(path, qtype: str):
+    """A tiny random Llama (hidden and intermediate 256) written to `path` as llama.cpp does,
+    every linear layer in `qtype` (a `gguf.GGMLQuantizationType` name), the embedding float."""
     import torch
     from gguf import GGMLQuantizationType as Q
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from jaxpaged.model_loader.gguf_import import import_gguf
     from test_gguf_import import CASES, SHAPE, write_gguf
 
-    monkeypatch.setenv("JAXPAGED_HOME", str(tmp_path / "home"))
     model_type, fields, tokenizer, _ = CASES["llama"]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
         model_type, **{**SHAPE, **fields, "intermediate_size": 256, "hidden_size": 256}))
     quant = {name: getattr(Q, qtype) for name, p in model.state_dict().items()
              if p.ndim == 2 and "embed" not in name}
-    path = tmp_path / "model.gguf"
     write_gguf(path, "llama", model, tokenizer=tokenizer, quant=quant)
+
+
+def assert_greedy_ids_match_where_margins_are_large(reference, llm) -> None:
+    """`llm`'s greedy ids equal `reference`'s on two prompts up to the first token whose
+    top-2 logprob margin under `reference` is under 0.1."""
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    ref = [o.outputs[0] for o in reference.generate(["ab", "hello"], params, use_tqdm=False)]
+    got = [o.outputs[0] for o in llm.generate(["ab", "hello"], params, use_tqdm=False)]
+    for r, g in zip(ref, got):
+        n = _confident_prefix(r, margin=0.1)
+        assert list(g.token_ids[:n]) == list(r.token_ids[:n])
+
+
+def down_proj(llm, layer: int = 0):
+    """The engine's down projection of `layer`, as a module (`QuantizedLinear` when
+    quantized)."""
+    from flax import nnx
+
+    runner = llm.llm_engine.runner
+    return nnx.merge(runner.graphdef, runner.params).layers[layer].mlp.down_proj
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_gguf_file_runs_directly(make_llm, tmp_path, monkeypatch, qtype):
+    """A GGUF whose linear layers are all Q8_0 (or Q4_K) serves from the file (W8A8,
+    no safetensors written) with the greedy ids of an engine on its imported float32 folder
+    where margins are large."""
+    from jaxpaged.model_loader.gguf_import import import_gguf
+
+    monkeypatch.setenv("JAXPAGED_HOME", str(tmp_path / "home"))
+    path = tmp_path / "model.gguf"
+    write_quantized_gguf(path, qtype)
     imported = tmp_path / "imported"
     import_gguf(path, imported, progress=False)
 
@@ -380,12 +403,7 @@ def test_gguf_file_runs_directly(make_llm, tmp_path, monkeypatch, qtype):
     assert direct.llm_engine.quantization == "w8a8"  # the default for a GGUF file
     assert not list((tmp_path / "home").rglob("*.safetensors"))
     floats = make_llm(imported, compilation_cache_dir=None)
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
-    ref = [o.outputs[0] for o in floats.generate(["ab", "hello"], params, use_tqdm=False)]
-    got = [o.outputs[0] for o in direct.generate(["ab", "hello"], params, use_tqdm=False)]
-    for r, g in zip(ref, got):
-        n = _confident_prefix(r, margin=0.1)
-        assert list(g.token_ids[:n]) == list(r.token_ids[:n])
+    assert_greedy_ids_match_where_margins_are_large(floats, direct)
     assert direct.stats()["weight_bytes"] < 0.3 * floats.stats()["weight_bytes"]
 
 
