@@ -45,6 +45,8 @@ _SOURCES = (Path(__file__).parent / "csrc" / "paged_attention_cpu.cc",
             Path(__file__).parent / "csrc" / "lora_matmul_cpu.cc",
             Path(__file__).parent / "csrc" / "w8a8_matmul_cpu.cc",
             Path(__file__).parent / "csrc" / "q8_0_matmul_cpu.cc")
+# Headers the sources include (part of the build's key, not compiled on their own).
+_HEADERS = (Path(__file__).parent / "csrc" / "cpu_tasks.h",)
 _TARGET = "jaxpaged_paged_attention"
 _QUANTIZED_TARGET = "jaxpaged_paged_attention_quantized"
 INT8_MATMUL_TARGET = "jaxpaged_int8_matmul"
@@ -93,7 +95,7 @@ def _build() -> Path:
     compiler = _settings["compiler"] or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
-    sources = [path.read_bytes() for path in _SOURCES]
+    sources = [path.read_bytes() for path in (*_SOURCES, *_HEADERS)]
     key = hashlib.sha256(b"\0".join([*sources, jaxlib.__version__.encode(), _cpu_id().encode(),
                                      " ".join([compiler, *_FLAGS]).encode()])).hexdigest()[:16]
     lib = _settings["build_dir"] / f"cpu_kernels-{key}.so"

@@ -33,7 +33,7 @@ def test_wheel_puts_only_jaxpaged_at_top_level(tmp_path):
     code = ("import jaxpaged.models, jaxpaged.pallas_kernels, jaxpaged.server, sys;"
             "from jaxpaged import LLM;"
             "from jaxpaged.pallas_kernels import cpu_attention;"
-            "assert all(p.is_file() for p in cpu_attention._SOURCES), cpu_attention._SOURCES;"
+            "assert all(p.is_file() for p in (*cpu_attention._SOURCES, *cpu_attention._HEADERS));"
             "assert jaxpaged.models.__file__.startswith(sys.argv[1]), jaxpaged.models.__file__")
     res = subprocess.run([sys.executable, "-c", code, str(target)], cwd=tmp_path,
                          env={"PYTHONPATH": str(target), "JAX_PLATFORMS": "cpu"},

@@ -23,7 +23,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <thread>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -31,6 +30,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_tasks.h"
 
 namespace ffi = xla::ffi;
 
@@ -199,10 +199,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F
   work->nk = nk;
   work->num_tasks = N / kBlock;
   if (work->M == 0 || work->num_tasks == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->num_tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->num_tasks) std::this_thread::yield();
+  jaxpaged::RunTasks(pool, work, work->num_tasks);
   return ffi::Error::Success();
 }
 

@@ -28,7 +28,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -37,6 +36,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_tasks.h"
 
 namespace ffi = xla::ffi;
 
@@ -220,10 +220,7 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     work->xt = work->xt_storage.data();
     work->ldxt = ld;
   }
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->num_tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->num_tasks) std::this_thread::yield();
+  jaxpaged::RunTasks(pool, work, work->num_tasks);
   return ffi::Error::Success();
 }
 

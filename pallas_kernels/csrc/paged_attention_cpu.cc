@@ -63,10 +63,10 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_tasks.h"
 
 namespace ffi = xla::ffi;
 
@@ -560,10 +560,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
         w->tasks.push_back(Task{b, k, i0, std::min<int64_t>(qlens[b], i0 + kQueryChunk)});
 
   const int64_t num_tasks = static_cast<int64_t>(w->tasks.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([w] { w->Run(); });
-  w->Run();
-  while (w->done.load(std::memory_order_acquire) < num_tasks) std::this_thread::yield();
+  jaxpaged::RunTasks(pool, w, num_tasks);
   return ffi::Error::Success();
 }
 

@@ -29,7 +29,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -39,6 +38,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_tasks.h"
 
 namespace ffi = xla::ffi;
 
@@ -48,18 +48,6 @@ constexpr int64_t kBlock = 32;       // values per Q8_0 block
 constexpr int64_t kColBlock = 64;    // output columns per task
 constexpr int64_t kGemvCols = 4;     // outputs per tile
 constexpr int64_t kPrefetchTiles = 2;  // tiles prefetched ahead
-
-bool HasVnni() {
-#ifdef JAXPAGED_X86
-  static const bool has = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512vnni");
-  return has;
-#else
-  return false;
-#endif
-}
 
 struct Work {
   const int8_t* xq;
@@ -193,13 +181,10 @@ ffi::Error Q8_0MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
   work->N = wd[0];
   work->K = wd[1];
   work->B = B;
-  work->vnni = !portable && HasVnni();
+  work->vnni = !portable && jaxpaged::HasAvx512Vnni();
   work->num_tasks = (work->N + kColBlock - 1) / kColBlock;
   if (work->M == 0 || work->num_tasks == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->num_tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->num_tasks) std::this_thread::yield();
+  jaxpaged::RunTasks(pool, work, work->num_tasks);
   return ffi::Error::Success();
 }
 

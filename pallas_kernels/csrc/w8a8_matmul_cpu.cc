@@ -39,7 +39,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -49,6 +48,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_tasks.h"
 
 namespace ffi = xla::ffi;
 
@@ -58,18 +58,6 @@ constexpr int64_t kPanel = 16;       // output channels per panel
 constexpr int64_t kRows = 6;         // activation rows per tile
 constexpr int64_t kGroupPanels = 4;  // panels per task
 constexpr int64_t kRowBlock = 48;    // rows per task
-
-bool HasVnni() {
-#ifdef JAXPAGED_X86
-  static const bool has = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512vnni");
-  return has;
-#else
-  return false;
-#endif
-}
 
 struct Work {
   const int8_t* xq;
@@ -208,22 +196,21 @@ ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
   work->N = yd[1];
   work->P = wd[0];
   work->K4 = wd[1];
-  work->vnni = !portable && HasVnni();
+  work->vnni = !portable && jaxpaged::HasAvx512Vnni();
   work->row_blocks = (work->M + kRowBlock - 1) / kRowBlock;
   work->num_tasks = (work->P + kGroupPanels - 1) / kGroupPanels * work->row_blocks;
   if (work->M == 0 || work->num_tasks == 0) return ffi::Error::Success();
   work->Prepare();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->num_tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->num_tasks) std::this_thread::yield();
+  jaxpaged::RunTasks(pool, work, work->num_tasks);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
 // Which path `JaxpagedW8A8Matmul` takes on this CPU: "avx512-vnni" or "portable".
-extern "C" const char* JaxpagedW8A8Isa() { return HasVnni() ? "avx512-vnni" : "portable"; }
+extern "C" const char* JaxpagedW8A8Isa() {
+  return jaxpaged::HasAvx512Vnni() ? "avx512-vnni" : "portable";
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedW8A8Matmul, W8A8MatmulImpl,
                               ffi::Ffi::Bind()
