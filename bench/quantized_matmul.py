@@ -27,29 +27,19 @@ import argparse
 import json
 import platform
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import call_times  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 # (name, N, K) of SmolLM2-135M's matmuls
 SHAPES = (("q_proj", 576, 576), ("gate_proj", 1536, 576), ("down_proj", 576, 1536),
           ("lm_head", 49152, 576))
 XLA_BLOCKS_MAX_ROWS = 32
-
-
-def timed(fn, *args, repeats: int) -> float:
-    """Median seconds of `fn(*args)` over `repeats` calls, after one warm call."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def paths(rows: int):
@@ -94,6 +84,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
 
 
+    import jax
     import jax.numpy as jnp
 
     from jaxpaged.pallas_kernels import cpu_attention
@@ -113,7 +104,8 @@ def main(argv=None) -> dict:
         wt = {"f": f, "w": w, "scale": scale, "wp": wp, "wsum": wsum, "q8": q8, "d8": d8}
         for M in args.rows:
             x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-            ms = {path: 1e3 * timed(fn, x, wt, repeats=args.repeats)
+            ms = {path: 1e3 * statistics.median(call_times(
+                      lambda: jax.block_until_ready(fn(x, wt)), args.repeats))
                   for path, fn in paths(M).items()}
             row = {"shape": name, "N": N, "K": K, "rows": M, "ms": ms,
                    "speedup_vs_float32": {k: ms["float32"] / v for k, v in ms.items()}}

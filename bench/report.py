@@ -32,12 +32,17 @@ def portable_config(args: argparse.Namespace) -> dict:
     return {k: portable(v) for k, v in vars(args).items()}
 
 
-def best_time(run, repeats: int = 10) -> float:
-    """The fastest of `repeats` timed calls of `run()` (after one untimed warm-up), seconds."""
+def call_times(run, repeats: int = 10) -> list[float]:
+    """Seconds of each of `repeats` timed calls of `run()`, after one untimed warm-up."""
     run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def best_time(run, repeats: int = 10) -> float:
+    """The fastest of `repeats` timed calls of `run()` (after one untimed warm-up), seconds."""
+    return min(call_times(run, repeats))
