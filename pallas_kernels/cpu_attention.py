@@ -51,6 +51,7 @@ _TARGET = "jaxpaged_paged_attention"
 _QUANTIZED_TARGET = "jaxpaged_paged_attention_quantized"
 INT8_MATMUL_TARGET = "jaxpaged_int8_matmul"
 W8A8_MATMUL_TARGET = "jaxpaged_w8a8_matmul"
+W8A8_MATMUL_F32_TARGET = "jaxpaged_w8a8_matmul_f32"
 Q8_0_MATMUL_TARGET = "jaxpaged_q8_0_matmul"
 F32_MATMUL_KN_TARGET = "jaxpaged_f32_matmul_kn"
 F32_MATMUL_NK_TARGET = "jaxpaged_f32_matmul_nk"
@@ -141,6 +142,8 @@ def available() -> bool:
                                 jax.ffi.pycapsule(lib.JaxpagedLoraMatmul), platform="cpu")
     jax.ffi.register_ffi_target(W8A8_MATMUL_TARGET,
                                 jax.ffi.pycapsule(lib.JaxpagedW8A8Matmul), platform="cpu")
+    jax.ffi.register_ffi_target(W8A8_MATMUL_F32_TARGET,
+                                jax.ffi.pycapsule(lib.JaxpagedW8A8MatmulF32), platform="cpu")
     jax.ffi.register_ffi_target(Q8_0_MATMUL_TARGET,
                                 jax.ffi.pycapsule(lib.JaxpagedQ8_0Matmul), platform="cpu")
     _library["lib"] = lib

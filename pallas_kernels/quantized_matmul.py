@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from jaxpaged.pallas_kernels import cpu_attention
@@ -178,13 +179,28 @@ def quantize_activations(x: jax.Array, terms: int = W8A8_ACTIVATION_TERMS
     return jnp.concatenate(qs), jnp.concatenate(ss)
 
 
-@functools.partial(jax.jit, static_argnames=("terms",))
+def w8a8_matmul_kernel(x: jax.Array, wp: jax.Array, wsum: jax.Array, scale: jax.Array, *,
+                       terms: int = W8A8_ACTIVATION_TERMS, portable: bool = False) -> jax.Array:
+    """The whole W8A8 product in the C++ kernel (call where `cpu_attention.available()`): x
+    f32[M, K] quantized there as `quantize_activations` does, the terms' int8 products on
+    `pack_int8(w) = (wp, wsum)`, scaled by scale f32[N] and added there too: f32[M, N], one
+    custom call in place of the dozen small XLA ops of the other path. Equal to it up to
+    float32 rounding (`ScaleSums`), with the same int8 terms; `portable`: the kernel's portable
+    path even where the CPU has VNNI (tests; the same bits)."""
+    call = jax.ffi.ffi_call(cpu_attention.W8A8_MATMUL_F32_TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], scale.shape[0]), jnp.float32))
+    return call(x.astype(jnp.float32), wp, wsum, scale.astype(jnp.float32),
+                terms=np.int32(terms), portable=portable)
+
+
+@functools.partial(jax.jit, static_argnames=("terms", "portable"))
 def w8a8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, wsum: jax.Array | None = None,
-                *, terms: int = W8A8_ACTIVATION_TERMS) -> jax.Array:
+                *, terms: int = W8A8_ACTIVATION_TERMS, portable: bool = False) -> jax.Array:
     """W8A8: x as int8 terms per row (`quantize_activations`), each times the int8 weights
     summed exactly in int32, scaled `float(acc) * (sx * scale)`, the terms added in order.
-    The int32 sums are XLA's int8 dot (`int8_dot_reference`) for weights i8[N, K], or the C++
-    kernel (`int8_dot_kernel`) for weights packed by `pack_int8` (with their `wsum`).
+    For weights i8[N, K] the int32 sums are XLA's int8 dot (`int8_dot_reference`) and the rest
+    XLA's ops; for weights packed by `pack_int8` (with their `wsum`) the C++ kernel computes it
+    all (`w8a8_matmul_kernel`).
 
     Args:
       x: f[..., K] activations (any float dtype; quantized from float32).
@@ -192,10 +208,13 @@ def w8a8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, wsum: jax.Array | 
         `cpu_attention.available()`); scale: f32[N] per-output scales.
       wsum: i32[16 P], `pack_int8`'s, with packed weights (else None).
       terms: int8 terms per activation row (1: plain per-token int8).
+      portable: packed weights only: the kernel's portable path even where the CPU has VNNI
+        (tests; the same bits).
 
     Returns:
-      f32[..., N], the same bits on every path: the paths differ only in the int32 sums,
-      which are exact.
+      f32[..., N]: the same int8 terms and int32 sums on both paths, the float32 scaling
+      equal up to rounding (the kernel's is `ScaleSums`, XLA's may fuse differently); the
+      kernel's bits are the same on every CPU and a row's do not depend on the other rows.
 
     Raises:
       ValueError: mismatched shapes or dtypes.
@@ -215,10 +234,13 @@ def w8a8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, wsum: jax.Array | 
         N = w.shape[0]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    xq, sx = quantize_activations(x2, terms)
-    acc = int8_dot_kernel(xq, w, wsum, N) if packed else int8_dot_reference(xq, w)
-    y = acc.astype(jnp.float32) * (sx[:, None] * scale.astype(jnp.float32)[None, :])
-    y = functools.reduce(jnp.add, jnp.split(y, terms))
+    if packed:
+        y = w8a8_matmul_kernel(x2, w, wsum, scale, terms=terms, portable=portable)
+    else:
+        xq, sx = quantize_activations(x2, terms)
+        acc = int8_dot_reference(xq, w)
+        y = acc.astype(jnp.float32) * (sx[:, None] * scale.astype(jnp.float32)[None, :])
+        y = functools.reduce(jnp.add, jnp.split(y, terms))
     return y.reshape(*lead, N)
 
 

@@ -104,26 +104,29 @@ def test_packed_weights_hold_every_row():
 @pytest.mark.parametrize("terms", [1, 2])
 @pytest.mark.parametrize("M, N, K", W8A8_SHAPES)
 def test_w8a8_matmul_equals_its_terms_and_the_float_product_within_the_bound(M, N, K, terms):
-    """`w8a8_matmul` (activations as `terms` int8 terms per row) gives the same bits with and
-    without the kernel; it equals the terms' exact integer products, scaled and added in
-    order, up to float32 rounding (XLA may fuse a scaling and the sum into one FMA); and it is
+    """`w8a8_matmul` (activations as `terms` int8 terms per row) gives the same bits by XLA on
+    weights i8[N, K] and by the C++ kernel on packed ones (its VNNI and portable paths); it
+    equals the terms' exact integer products, scaled and added in order, up to float32
+    rounding (XLA fuses a scaling and the sum into one FMA, as the kernel does); and it is
     within the activations' quantization bound of the float product with the int8 weights."""
     x, w, scale = _w8a8_operands(M, N, K)
     got = np.asarray(w8a8_matmul(x, w, scale, terms=terms))
     if cpu_attention.available():
         wp, wsum = pack_int8(w)
-        np.testing.assert_array_equal(w8a8_matmul(x, wp, scale, wsum, terms=terms), got)
+        for portable in (False, True):
+            np.testing.assert_array_equal(
+                w8a8_matmul(x, wp, scale, wsum, terms=terms, portable=portable), got)
     xq, sx = jax.jit(quantize_activations, static_argnums=1)(x, terms)  # as w8a8_matmul does
     exact = np.asarray(xq, np.int64) @ np.asarray(w, np.int64).T
     parts = exact.astype(np.float32) * (np.asarray(sx)[:, None] * np.asarray(scale)[None, :])
     want = parts[:M] if terms == 1 else parts[:M] + parts[M:]
     size = np.abs(parts[:M]) + (0 if terms == 1 else np.abs(parts[M:]))
-    assert np.all(np.abs(got - want) <= 2.0 ** -22 * size)  # two float32 roundings
-    # The terms leave at most s_last / 2 per element, so each output is off by at most
-    # s_last / 2 * sum_k |w_float[n, k]| (plus float32 rounding).
     w_float = np.asarray(w, np.float32) * np.asarray(scale)[:, None]
     ref = np.asarray(x, np.float64) @ w_float.T.astype(np.float64)
+    # The terms leave at most s_last / 2 per element, so each output is off by at most
+    # s_last / 2 * sum_k |w_float[n, k]| (plus float32 rounding).
     bound = np.asarray(sx)[-M:, None] / 2 * np.abs(w_float).sum(1)[None, :]
+    assert np.all(np.abs(got - want) <= 2.0 ** -22 * size)  # two float32 roundings
     assert np.all(np.abs(got - ref) <= bound * (1 + 1e-4) + 1e-5 * np.abs(ref) + 1e-6)
     if terms == 2:  # the second term's scale is at most 1/254 of the first's
         assert np.all(np.asarray(sx)[M:] <= np.asarray(sx)[:M] / 254 * (1 + 1e-6) + 1e-30)

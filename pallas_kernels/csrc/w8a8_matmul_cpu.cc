@@ -35,10 +35,12 @@
 // (tests). Output: acc s32[M, N] (N from its shape, 16 (P - 1) < N <= 16 P).
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -59,17 +61,72 @@ constexpr int64_t kRows = 6;         // activation rows per tile
 constexpr int64_t kGroupPanels = 4;  // panels per task
 constexpr int64_t kRowBlock = 48;    // rows per task
 
+// The activations of the whole product (`W8A8MatmulF32Impl`) as `terms` int8 terms per row,
+// as `quantized_matmul.quantize_activations` computes them in XLA: term 0 of a row is
+// symmetric per row, s = max|x| * (1 / 127) (1 where the row is zero), q = clip(rint(x / s),
+// -127, 127) with the division taken as x * (1 / s); each further term quantizes the same way
+// what the terms before it leave, x - q * s (one FMA). Row m's term t goes to row
+// m * terms + t of q (s8[M * terms, K]) and s (f32[M * terms]). Not inlined, so that every
+// path runs the same instructions and gets the same bits.
+__attribute__((noinline)) void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t terms,
+                                            int8_t* q, float* s) {
+  std::vector<float> rest(K);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = x + m * K;
+    for (int64_t t = 0; t < terms; ++t) {
+      float amax = 0.0f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(src[k]));
+      const float scale = amax > 0.0f ? amax * (1.0f / 127.0f) : 1.0f;
+      const float inv = 1.0f / scale;
+      int8_t* row = q + (m * terms + t) * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = std::min(std::max(std::rint(src[k] * inv), -127.0f), 127.0f);
+        row[k] = static_cast<int8_t>(v);
+        rest[k] = std::fma(-v, scale, src[k]);
+      }
+      s[m * terms + t] = scale;
+      src = rest.data();
+    }
+  }
+}
+
+// y[m, n] for rows [m0, m1) of the activations and columns [n0, n1): the terms' int32 sums
+// (acc, row m's term t at row m * terms + t) scaled, sum_t float(acc_t) * (s_t * scale[n]),
+// as XLA computes `quantized_matmul.w8a8_matmul`: the last term's product, then each term
+// before it added by one FMA (the same bits as XLA's path). Not inlined, like `QuantizeRows`.
+__attribute__((noinline)) void ScaleSums(const int32_t* acc, const float* s, const float* scale,
+                                         float* y, int64_t N, int64_t terms, int64_t m0,
+                                         int64_t m1, int64_t n0, int64_t n1) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const int32_t* a = acc + m * terms * N;
+    const float* sm = s + m * terms;
+    for (int64_t n = n0; n < n1; ++n) {
+      float v = float(a[(terms - 1) * N + n]) * (sm[terms - 1] * scale[n]);
+      for (int64_t t = terms - 2; t >= 0; --t)
+        v = std::fma(float(a[t * N + n]), sm[t] * scale[n], v);
+      y[m * N + n] = v;
+    }
+  }
+}
+
 struct Work {
-  const int8_t* xq;
+  const int8_t* xq;   // the quantized rows: the caller's, or `q` (the whole product)
   const int8_t* wp;
   const int32_t* wsum;
-  int32_t* y;
-  int64_t M, N, K, P, K4;
+  int32_t* acc;       // int32 sums of every quantized row: the output, or `sums`
+  int64_t M, N, K, P, K4;  // M: quantized rows (terms per activation row in the product)
   bool vnni;
   std::vector<uint8_t> xu;  // VNNI path: xq + 128 as u8, rows of 4 * K4 bytes (128 past K)
   int64_t row_blocks, num_tasks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+  // The whole W8A8 product only (`Product`): float activations in, float outputs out.
+  const float* scale = nullptr;  // f32[N] per-output weight scales
+  float* y = nullptr;            // f32[M / terms, N]
+  int64_t terms = 1;
+  std::vector<int8_t> q;         // the activations' terms, row m's term t at row m * terms + t
+  std::vector<float> sx;         // their scales
+  std::vector<int32_t> sums;
 
   void Prepare() {
     if (!vnni) return;
@@ -79,20 +136,37 @@ struct Work {
         xu[m * K4 * 4 + k] = static_cast<uint8_t>(int32_t(xq[m * K + k]) + 128);
   }
 
+  // The whole product: quantizes the activations x f32[M / terms, K] and keeps their sums.
+  void QuantizeActivations(const float* x) {
+    q.resize(M * K);
+    sx.resize(M);
+    sums.resize(M * N);
+    QuantizeRows(x, M / terms, K, terms, q.data(), sx.data());
+    xq = q.data();
+    acc = sums.data();
+  }
+
+  // The whole product: y for quantized rows [m0, m1) (whole activation rows: kRowBlock is a
+  // multiple of terms) and panels [p0, p1).
+  void Scale(int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+    ScaleSums(acc, sx.data(), scale, y, N, terms, m0 / terms, m1 / terms, p0 * kPanel,
+              std::min(N, p1 * kPanel));
+  }
+
   // The portable path: the same int32 sums with plain loops.
   void PortableTask(int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
-    std::vector<int32_t> acc(kPanel);
+    int32_t sum[kPanel];
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t p = p0; p < p1; ++p) {
-        std::fill(acc.begin(), acc.end(), 0);
+        std::fill(sum, sum + kPanel, 0);
         const int8_t* panel = wp + p * K4 * kPanel * 4;
         for (int64_t k = 0; k < K; ++k) {
           const int32_t x = xq[m * K + k];
           const int8_t* wk = panel + (k / 4) * kPanel * 4 + k % 4;
-          for (int64_t j = 0; j < kPanel; ++j) acc[j] += x * int32_t(wk[4 * j]);
+          for (int64_t j = 0; j < kPanel; ++j) sum[j] += x * int32_t(wk[4 * j]);
         }
         for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
-          y[m * N + p * kPanel + j] = acc[j];
+          acc[m * N + p * kPanel + j] = sum[j];
       }
   }
 
@@ -104,9 +178,9 @@ struct Work {
     for (int q = 0; q < NP; ++q) panel[q] = wp + (p0 + q) * K4 * kPanel * 4;
     const uint8_t* xr[R];
     for (int r = 0; r < R; ++r) xr[r] = xu.data() + (m0 + r) * K4 * 4;
-    __m512i acc[R][NP];
+    __m512i sum[R][NP];
     for (int r = 0; r < R; ++r)
-      for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_si512();
+      for (int q = 0; q < NP; ++q) sum[r][q] = _mm512_setzero_si512();
     for (int64_t k4 = 0; k4 < K4; ++k4) {
       __m512i wv[NP];
       for (int q = 0; q < NP; ++q) wv[q] = _mm512_loadu_si512(panel[q] + k4 * kPanel * 4);
@@ -114,7 +188,7 @@ struct Work {
         int32_t four;
         std::memcpy(&four, xr[r] + 4 * k4, 4);
         const __m512i xb = _mm512_set1_epi32(four);
-        for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], xb, wv[q]);
+        for (int q = 0; q < NP; ++q) sum[r][q] = _mm512_dpbusd_epi32(sum[r][q], xb, wv[q]);
       }
     }
     for (int q = 0; q < NP; ++q) {
@@ -123,8 +197,8 @@ struct Work {
                                               : __mmask16((1u << (N - n0)) - 1);
       const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(wsum + n0), 7);
       for (int r = 0; r < R; ++r)
-        _mm512_mask_storeu_epi32(y + (m0 + r) * N + n0, mask,
-                                 _mm512_sub_epi32(acc[r][q], offset));
+        _mm512_mask_storeu_epi32(acc + (m0 + r) * N + n0, mask,
+                                 _mm512_sub_epi32(sum[r][q], offset));
     }
   }
 
@@ -169,37 +243,77 @@ struct Work {
       else
 #endif
         PortableTask(m0, m1, p0, p1);
+      if (y != nullptr) Scale(m0, m1, p0, p1);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
+// Checks the packed weights against K input features and N outputs and sets `work` up for M
+// quantized rows; an error names the expected shapes.
+ffi::Error Setup(Work& work, const char* name, ffi::Buffer<ffi::S8>& wp,
+                 ffi::Buffer<ffi::S32>& wsum, int64_t M, int64_t K, int64_t N, bool portable) {
+  auto wd = wp.dimensions();
+  if (wd.size() != 4 || wd[2] != kPanel || wd[3] != 4 || wd[1] != (K + 3) / 4 ||
+      (N + kPanel - 1) / kPanel != wd[0] || wsum.element_count() != wd[0] * kPanel)
+    return ffi::Error::InvalidArgument(
+        std::string(name) + ": for x [M, K] and outputs [M, N], wp must be "
+        "[ceil(N/16), ceil(K/4), 16, 4] and wsum [16 ceil(N/16)]");
+  work.wp = reinterpret_cast<const int8_t*>(wp.typed_data());
+  work.wsum = wsum.typed_data();
+  work.M = M;
+  work.K = K;
+  work.N = N;
+  work.P = wd[0];
+  work.K4 = wd[1];
+  work.vnni = !portable && jaxpaged::HasAvx512Vnni();
+  work.row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  work.num_tasks = (work.P + kGroupPanels - 1) / kGroupPanels * work.row_blocks;
+  return ffi::Error::Success();
+}
+
+// The int8 product alone: acc s32[M, N] = xq s8[M, K] times the packed weights.
 ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
                           ffi::Buffer<ffi::S8> wp, ffi::Buffer<ffi::S32> wsum,
-                          ffi::ResultBuffer<ffi::S32> y, bool portable) {
+                          ffi::ResultBuffer<ffi::S32> acc, bool portable) {
   auto xd = xq.dimensions();
-  auto wd = wp.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || wd[2] != kPanel || wd[3] != 4 ||
-      wd[1] != (xd[1] + 3) / 4 || yd.size() != 2 || yd[0] != xd[0] ||
-      (yd[1] + kPanel - 1) / kPanel != wd[0] || wsum.element_count() != wd[0] * kPanel)
-    return ffi::Error::InvalidArgument(
-        "w8a8_matmul_cpu: xq must be [M, K], wp [ceil(N/16), ceil(K/4), 16, 4], "
-        "wsum [16 ceil(N/16)] and the output [M, N]");
+  auto ad = acc->dimensions();
+  if (xd.size() != 2 || ad.size() != 2 || ad[0] != xd[0])
+    return ffi::Error::InvalidArgument("w8a8_matmul_cpu: xq must be [M, K], acc [M, N]");
   auto work = std::make_shared<Work>();
+  if (auto e = Setup(*work, "w8a8_matmul_cpu", wp, wsum, xd[0], xd[1], ad[1], portable);
+      e.failure())
+    return e;
   work->xq = reinterpret_cast<const int8_t*>(xq.typed_data());
-  work->wp = reinterpret_cast<const int8_t*>(wp.typed_data());
-  work->wsum = wsum.typed_data();
-  work->y = y->typed_data();
-  work->M = xd[0];
-  work->K = xd[1];
-  work->N = yd[1];
-  work->P = wd[0];
-  work->K4 = wd[1];
-  work->vnni = !portable && jaxpaged::HasAvx512Vnni();
-  work->row_blocks = (work->M + kRowBlock - 1) / kRowBlock;
-  work->num_tasks = (work->P + kGroupPanels - 1) / kGroupPanels * work->row_blocks;
+  work->acc = acc->typed_data();
   if (work->M == 0 || work->num_tasks == 0) return ffi::Error::Success();
+  work->Prepare();
+  jaxpaged::RunTasks(pool, work, work->num_tasks);
+  return ffi::Error::Success();
+}
+
+// The whole W8A8 product: y f32[M, N] from x f32[M, K] (quantized here as `terms` int8 terms
+// per row), the packed weights and their scales f32[N].
+ffi::Error W8A8MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::S8> wp, ffi::Buffer<ffi::S32> wsum,
+                             ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
+                             int32_t terms, bool portable) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || scale.element_count() != yd[1] ||
+      terms < 1 || kRowBlock % terms != 0)
+    return ffi::Error::InvalidArgument(
+        "w8a8_matmul_f32_cpu: x must be [M, K], scale [N], y [M, N] and terms 1, 2 or 3");
+  auto work = std::make_shared<Work>();
+  if (auto e = Setup(*work, "w8a8_matmul_f32_cpu", wp, wsum, xd[0] * terms, xd[1], yd[1],
+                     portable);
+      e.failure())
+    return e;
+  work->terms = terms;
+  work->scale = scale.typed_data();
+  work->y = y->typed_data();
+  if (work->M == 0 || work->num_tasks == 0) return ffi::Error::Success();
+  work->QuantizeActivations(x.typed_data());
   work->Prepare();
   jaxpaged::RunTasks(pool, work, work->num_tasks);
   return ffi::Error::Success();
@@ -219,4 +333,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedW8A8Matmul, W8A8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S8>>()   // wp
                                   .Arg<ffi::Buffer<ffi::S32>>()  // wsum
                                   .Ret<ffi::Buffer<ffi::S32>>()  // acc
+                                  .Attr<bool>("portable"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedW8A8MatmulF32, W8A8MatmulF32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // wp
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // wsum
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Attr<int32_t>("terms")
                                   .Attr<bool>("portable"));
