@@ -109,6 +109,16 @@ __attribute__((noinline)) void ScaleSums(const int32_t* acc, const float* s, con
   }
 }
 
+// A buffer of at least n T's kept by the calling thread from call to call (the kernel's
+// scratch: its helpers use it only while the call waits for them); `Slot` tells apart the
+// buffers of one type.
+template <class T, int Slot>
+T* Scratch(int64_t n) {
+  thread_local std::vector<T> buffer;
+  if (int64_t(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
 struct Work {
   const int8_t* xq;   // the quantized rows: the caller's, or `q` (the whole product)
   const int8_t* wp;
@@ -116,7 +126,7 @@ struct Work {
   int32_t* acc;       // int32 sums of every quantized row: the output, or `sums`
   int64_t M, N, K, P, K4;  // M: quantized rows (terms per activation row in the product)
   bool vnni;
-  std::vector<uint8_t> xu;  // VNNI path: xq + 128 as u8, rows of 4 * K4 bytes (128 past K)
+  uint8_t* xu = nullptr;  // VNNI path: xq + 128 as u8, rows of 4 * K4 bytes (128 past K)
   int64_t row_blocks, num_tasks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -124,32 +134,32 @@ struct Work {
   const float* scale = nullptr;  // f32[N] per-output weight scales
   float* y = nullptr;            // f32[M / terms, N]
   int64_t terms = 1;
-  std::vector<int8_t> q;         // the activations' terms, row m's term t at row m * terms + t
-  std::vector<float> sx;         // their scales
-  std::vector<int32_t> sums;
+  int8_t* q = nullptr;    // the activations' terms, row m's term t at row m * terms + t
+  float* sx = nullptr;    // their scales
 
   void Prepare() {
     if (!vnni) return;
-    xu.assign(M * K4 * 4, 128);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k)
-        xu[m * K4 * 4 + k] = static_cast<uint8_t>(int32_t(xq[m * K + k]) + 128);
+    xu = Scratch<uint8_t, 0>(M * K4 * 4);
+    for (int64_t m = 0; m < M; ++m) {
+      uint8_t* row = xu + m * K4 * 4;
+      for (int64_t k = 0; k < K; ++k) row[k] = static_cast<uint8_t>(int32_t(xq[m * K + k]) + 128);
+      std::fill(row + K, row + K4 * 4, uint8_t(128));
+    }
   }
 
   // The whole product: quantizes the activations x f32[M / terms, K] and keeps their sums.
   void QuantizeActivations(const float* x) {
-    q.resize(M * K);
-    sx.resize(M);
-    sums.resize(M * N);
-    QuantizeRows(x, M / terms, K, terms, q.data(), sx.data());
-    xq = q.data();
-    acc = sums.data();
+    q = Scratch<int8_t, 1>(M * K);
+    sx = Scratch<float, 2>(M);
+    acc = Scratch<int32_t, 3>(M * N);
+    QuantizeRows(x, M / terms, K, terms, q, sx);
+    xq = q;
   }
 
   // The whole product: y for quantized rows [m0, m1) (whole activation rows: kRowBlock is a
   // multiple of terms) and panels [p0, p1).
   void Scale(int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
-    ScaleSums(acc, sx.data(), scale, y, N, terms, m0 / terms, m1 / terms, p0 * kPanel,
+    ScaleSums(acc, sx, scale, y, N, terms, m0 / terms, m1 / terms, p0 * kPanel,
               std::min(N, p1 * kPanel));
   }
 
@@ -177,7 +187,7 @@ struct Work {
     const int8_t* panel[NP];
     for (int q = 0; q < NP; ++q) panel[q] = wp + (p0 + q) * K4 * kPanel * 4;
     const uint8_t* xr[R];
-    for (int r = 0; r < R; ++r) xr[r] = xu.data() + (m0 + r) * K4 * 4;
+    for (int r = 0; r < R; ++r) xr[r] = xu + (m0 + r) * K4 * 4;
     __m512i sum[R][NP];
     for (int r = 0; r < R; ++r)
       for (int q = 0; q < NP; ++q) sum[r][q] = _mm512_setzero_si512();
