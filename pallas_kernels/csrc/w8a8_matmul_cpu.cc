@@ -98,13 +98,14 @@ __attribute__((noinline)) void ScaleSums(const int32_t* acc, const float* s, con
                                          float* y, int64_t N, int64_t terms, int64_t m0,
                                          int64_t m1, int64_t n0, int64_t n1) {
   for (int64_t m = m0; m < m1; ++m) {
-    const int32_t* a = acc + m * terms * N;
-    const float* sm = s + m * terms;
-    for (int64_t n = n0; n < n1; ++n) {
-      float v = float(a[(terms - 1) * N + n]) * (sm[terms - 1] * scale[n]);
-      for (int64_t t = terms - 2; t >= 0; --t)
-        v = std::fma(float(a[t * N + n]), sm[t] * scale[n], v);
-      y[m * N + n] = v;
+    const int32_t* last = acc + (m * terms + terms - 1) * N;
+    const float s_last = s[m * terms + terms - 1];
+    float* row = y + m * N;
+    for (int64_t n = n0; n < n1; ++n) row[n] = float(last[n]) * (s_last * scale[n]);
+    for (int64_t t = terms - 2; t >= 0; --t) {
+      const int32_t* a = acc + (m * terms + t) * N;
+      const float st = s[m * terms + t];
+      for (int64_t n = n0; n < n1; ++n) row[n] = std::fma(float(a[n]), st * scale[n], row[n]);
     }
   }
 }
