@@ -103,7 +103,7 @@ def _run_prefills(runner, T: int, lengths: list[int]) -> np.ndarray:
     rope = np.full((T,), max(lengths), np.int32) if runner.config.rope_switch_length else None
     batch = ModelInput(ids, positions, runner.backend.build(runner.limits, T, seqs), rope,
                        lora_slots=np.zeros((T,), np.int32) if runner.uses_lora else None)
-    return np.asarray(runner._run_step(batch))[:len(lengths)]
+    return np.asarray(runner._run_step(batch)[0])[:len(lengths)]
 
 
 class CpuPlatform(Platform):

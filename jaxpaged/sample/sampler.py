@@ -286,6 +286,23 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, all_greedy: bool,
 sample_jit = jax.jit(sample, static_argnames=("all_greedy", "num_logprobs"))
 
 
+def greedy_draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(i32[R] each row's `argmax`, f32[R] its raw log-probability) for logits f32[R, V]: what
+    `sample(all_greedy=True, num_logprobs=0)` draws for rows with no bias, penalty or grammar,
+    computed by the model step itself (`ModelRunner`), so that plain greedy decoding makes no
+    sampler call."""
+    tokens = argmax(logits)
+    return tokens, _logprob_stats(logits, tokens, 0)[0]
+
+
+def pick_greedy(greedy: tuple[np.ndarray, np.ndarray], rows: list[int]) -> SamplerOutput:
+    """`SamplerOutput` of the samples drawing from logits rows `rows`, from `greedy_draw`'s
+    arrays on the host: an argmax has rank 1 under the distribution it is drawn from."""
+    tokens, logprobs = greedy
+    return SamplerOutput(tokens[rows], logprobs[rows], np.ones((len(rows),), np.int32), None,
+                         None)
+
+
 def unpack_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
     """bool[R, V] from i32[R, ceil(V / 32)] (token t: bit t % 32 of word t // 32)."""
     bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1

@@ -220,6 +220,18 @@ class InputBatch:
             presence_penalty=f["presence_penalty"] if use_penalties else None,
             processed_logprobs=static["processed"], num_candidates=static["num_candidates"])
 
+    def plain_greedy(self, samples: list[tuple[int, Sequence, int, list[int]]]) -> bool:
+        """Whether `samples` all draw greedily from their raw logits alone and report no
+        logprobs (no bias, allowed or stop tokens, penalties or grammar): their draws are then
+        the model step's own (`sampler.greedy_draw`)."""
+        if any(seq.matcher is not None or not seq.params.is_greedy
+               or seq.params.logprobs is not None for _, seq, _, _ in samples):
+            return False
+        rows = np.full((next_power_of_2(len(samples)),), self.max_num_rows, np.int32)
+        rows[:len(samples)] = [self.row_of[seq.seq_id] for _, seq, _, _ in samples]
+        static = self._static_metadata(rows)
+        return not static["uses_dense"] and static["processed"] is None
+
     def _static_metadata(self, rows: np.ndarray) -> dict:
         """What a step's metadata takes from its rows' parameters alone: the same while the
         same rows sample (most decode steps), so kept from the last step until a row changes."""

@@ -5,8 +5,9 @@ token axis of T tokens, T padded to a bucket (steps of 1.5x; see `buckets.bucket
 attention backend (`pallas_kernels.backends`) adds how it reads the cached blocks. A step's
 shapes depend on T (and, for the Pallas backends, whether it only decodes) alone, so the
 shapes under given limits are few and `precompile` compiles them all. One jitted step
-`(params, kv_cache, ModelInput) -> (logits, kv_cache)` runs with the pool donated, then the
-jitted sampler; only the sampled token ids come back to the host.
+`(params, kv_cache, ModelInput) -> (logits, greedy draws, kv_cache)` runs with the pool
+donated, then the jitted sampler, unless every draw is a plain greedy one, which the step
+made itself; only the sampled token ids come back to the host.
 """
 
 from __future__ import annotations
@@ -98,8 +99,11 @@ class ModelRunner:
         graphdef = self.graphdef
 
         def model_step(leaves, kv_cache, batch, all_positions):
-            return forward(graphdef, jax.tree.unflatten(treedef, leaves), kv_cache, batch,
-                           all_positions)
+            logits, kv_cache = forward(graphdef, jax.tree.unflatten(treedef, leaves), kv_cache,
+                                       batch, all_positions)
+            # Each row's greedy draw, so that plain greedy decoding needs no sampler call.
+            greedy = None if all_positions else sampler.greedy_draw(logits)
+            return logits, greedy, kv_cache
 
         if self.mesh is None:
             self._step = jax.jit(model_step, donate_argnums=1, static_argnums=3)
@@ -113,7 +117,7 @@ class ModelRunner:
             params = [x.sharding for x in self.param_leaves]
             self._step = jax.jit(model_step, donate_argnums=1, static_argnums=3,
                                  in_shardings=(params, pool, self.replicated),
-                                 out_shardings=(self.replicated, pool))
+                                 out_shardings=(self.replicated, self.replicated, pool))
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0, out_shardings=pool)
         # The step's and the sampler's executables by their inputs' shapes: compiled or loaded,
         # or None for one that `precompile` found in the compilation cache's folder and left
@@ -225,11 +229,13 @@ class ModelRunner:
             self._compiled[key] = self.executables.get_or_compile(
                 jitted, args, static_args, static_kwargs, load=False)
 
-    def _run_step(self, batch: ModelInput, all_positions: bool = False) -> jax.Array:
-        """Runs the model step on `batch` and keeps the updated pool; returns the logits."""
+    def _run_step(self, batch: ModelInput, all_positions: bool = False
+                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Runs the model step on `batch` and keeps the updated pool; returns the logits and,
+        unless `all_positions`, each logits row's greedy draw (`sampler.greedy_draw`)."""
         args = (self.param_leaves, self.kv_cache.pool, batch)
-        logits, self.kv_cache.pool = self._executable(self._step, args, all_positions)(*args)
-        return logits
+        *out, self.kv_cache.pool = self._executable(self._step, args, all_positions)(*args)
+        return tuple(out)
 
     def compute_logits(self, seqs: list[Sequence], num_new_tokens: list[int]) -> jax.Array:
         """Computes the next `num_new_tokens[i]` tokens of each of `seqs` (after their
@@ -240,7 +246,7 @@ class ModelRunner:
           f32[R, V] on the device: the logits of each sequence's last new token, in the order
           of `seqs` (R >= len(seqs): padding rows after them).
         """
-        return self._run_step(self.prepare(seqs, num_new_tokens))
+        return self._run_step(self.prepare(seqs, num_new_tokens))[0]
 
     def _sample(self, logits: jax.Array, md: SamplingMetadata, all_greedy: bool,
                 num_logprobs: int) -> sampler.SamplerOutput:
@@ -268,10 +274,10 @@ class ModelRunner:
         that serving compiles nothing new. With `spec_tokens`, each shape of 2 to that many
         tokens also gets the variant that returns logits at every token (`logits_indices`:
         steps that verify speculative tokens), and the sampler variants cover as many draws.
-        A shape of at most `WARM_UP_TOKENS` tokens is also
-        run once on its padding-only input (nothing is written to the pool): an executable's
-        first run on CPU costs 0.1-0.5 s more than the later ones, which would otherwise land
-        on a request. Larger shapes take seconds a step, and are left to pay it when met."""
+        A shape of at most `WARM_UP_TOKENS` tokens is also run once on its padding-only input
+        (nothing is written to the pool): an executable's first run on CPU costs 0.1-0.5 s
+        more than the later ones, which would otherwise land on a request. Larger shapes take
+        seconds a step, and are left to pay it when met."""
         cache = self.executables
         before = cache.num_compiled, cache.num_on_disk
         batches = [(T, self._padding_batch(T, decode_only)) for T, decode_only in shapes]
@@ -279,8 +285,7 @@ class ModelRunner:
                     for T, b in batches if 2 <= T <= spec_tokens]
         # `prepare_sampling` pads the sample count to a power of two.
         draws = sampler.precompile_inputs(
-            self.config.vocab_size,
-            pow2s(1, next_power_of_2(max(self.max_num_seqs, spec_tokens))),
+            self.config.vocab_size, pow2s(1, next_power_of_2(max(self.max_num_seqs, spec_tokens))),
             None if self.mesh is None else self.replicated) if sampler_variants else []
         jobs = ([(self._step, (self.param_leaves, self.kv_cache.pool, b), (False,), {})
                  for _, b in batches]
@@ -301,10 +306,9 @@ class ModelRunner:
                 self._run_step(batch)
         self.kv_cache.block_until_ready()
         logger.info("compiled %d executables, found %d in the compilation cache%s (loaded "
-                    "when first run; %d step shapes, %d sampler variants)",
-                    cache.num_compiled - before[0], cache.num_on_disk - before[1],
-                    "" if cache.folder is None else f" {cache.folder.parent}",
-                    len(shapes), len(draws))
+                    "when first run; %d step shapes, %d sampler variants)", cache.num_compiled
+                    - before[0], cache.num_on_disk - before[1], "" if cache.folder is None
+                    else f" {cache.folder.parent}", len(shapes), len(draws))
 
     def _padding_batch(self, T: int, decode_only: bool = False) -> ModelInput:
         """A padding-only step of T tokens (see `step_shapes`): it writes nothing."""
@@ -314,18 +318,13 @@ class ModelRunner:
                           lora_slots=zeros if self.uses_lora else None)
 
     def probe(self) -> None:
-        """Runs the smallest padding-only step and a greedy draw from its first logits row,
-        writing nothing to the pool: whether the device and the compiled step work with no
-        request in them. Raises whatever they raise (`FaultIsolatingExecutor` calls it after a
-        step in which every request failed alone)."""
+        """Runs the smallest padding-only step (with its greedy draws), writing nothing to the
+        pool: whether the device and the compiled step work with no request in them. Raises
+        whatever they raise (`FaultIsolatingExecutor` calls it after a step in which every
+        request failed alone)."""
         if self.fault_hook is not None:
             self.fault_hook(SchedulerOutput([], [], []))
-        logits = self._run_step(self._padding_batch(1))
-        one = np.zeros((1,), np.int32)
-        md = SamplingMetadata(temperature=one.astype(np.float32), top_k=one,
-                              top_p=np.ones((1,), np.float32), seeds=np.zeros((1, 2), np.uint32),
-                              output_index=one)
-        jax.block_until_ready(self._sample(logits[:1], md, all_greedy=True, num_logprobs=0))
+        jax.block_until_ready(self._run_step(self._padding_batch(1)))
 
     def execute(self, out: SchedulerOutput) -> tuple[list[list[SampledToken]], dict]:
         """Runs one scheduled step: all its sequences packed in one model call (`prepare`),
@@ -361,7 +360,7 @@ class ModelRunner:
         scored = scored_tokens(out, batch.attention.query_start_loc)
         prompt_lps = {}
         if want or scored:
-            logits = self._run_step(batch, all_positions=True)
+            logits, greedy = self._run_step(batch, all_positions=True)
             md = batch.attention
             last = (logits_indices if logits_indices is not None else
                     np.minimum(md.query_start_loc[:-1] + np.maximum(md.query_lens - 1, 0),
@@ -377,11 +376,13 @@ class ModelRunner:
             else:
                 logits = sampler.gather_rows(logits, last)
         else:
-            logits = self._run_step(dataclasses.replace(batch, logits_indices=logits_indices))
-        return self._sample_rows(out, logits, spec, first_logit), prompt_lps
+            logits, greedy = self._run_step(dataclasses.replace(batch,
+                                                                logits_indices=logits_indices))
+        return self._sample_rows(out, logits, greedy, spec, first_logit), prompt_lps
 
-    def _sample_rows(self, out: SchedulerOutput, logits: jax.Array, spec: list[list[int]],
-                     first_logit: np.ndarray) -> list[list[SampledToken]]:
+    def _sample_rows(self, out: SchedulerOutput, logits: jax.Array, greedy: tuple | None,
+                     spec: list[list[int]], first_logit: np.ndarray
+                     ) -> list[list[SampledToken]]:
         """Each row's sampled tokens from the step's logits (rows from `first_logit[row]`):
         `1 + seq.num_forks` draws for a row that completes its tokens, and for a row verifying
         proposals its draws up to the first that differs from them (`rejection_sample`)."""
@@ -403,19 +404,9 @@ class ModelRunner:
                     row_of.append(row)
         if not samples:
             return per_row
-        rows, md = self.prepare_sampling(samples)
-        num_logprobs = max((s.params.logprobs or 0) for _, s, _, _ in samples)
-        num_logprobs = next_power_of_2(num_logprobs) if num_logprobs else 0
-        # Draws from logits rows 0.. in order, as many rows as samples (a decode step): the
-        # step's logits as they are (the padding samples draw from padding rows).
-        identity = (len(rows) == logits.shape[0]
-                    and (rows[:len(samples)] == np.arange(len(samples))).all())
-        res = jax.device_get(self._sample(
-            logits if identity else sampler.gather_rows(logits, rows), md,
-            # Processed logprobs read the truncated distribution, which the greedy path skips.
-            all_greedy=all(s.params.is_greedy and s.params.logprobs_mode == "raw"
-                           for _, s, _, _ in samples),
-            num_logprobs=num_logprobs))
+        res = (sampler.pick_greedy(jax.device_get(greedy), [s[0] for s in samples])
+               if greedy is not None and self.input_batch.plain_greedy(samples)
+               else self._draw(samples, logits))
         # Of a row verifying proposals, its draws up to the first that differs from them.
         output = (rejection_sample(res.token_ids[:len(samples)], np.asarray(row_of),
                                    [len(before) for _, _, _, before in samples], spec).tolist()
@@ -430,6 +421,23 @@ class ModelRunner:
                    list(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist())))
             per_row[row].append(SampledToken(token_ids[i], logprobs[i], ranks[i], top))
         return per_row
+
+    def _draw(self, samples: list[tuple[int, Sequence, int, list[int]]], logits: jax.Array
+              ) -> sampler.SamplerOutput:
+        """The sampler's draws for `samples` (`prepare_sampling`), on the host."""
+        rows, md = self.prepare_sampling(samples)
+        num_logprobs = max((s.params.logprobs or 0) for _, s, _, _ in samples)
+        num_logprobs = num_logprobs and next_power_of_2(num_logprobs)
+        # Draws from logits rows 0.. in order, as many rows as samples (a decode step): the
+        # step's logits as they are (the padding samples draw from padding rows).
+        identity = (len(rows) == logits.shape[0]
+                    and (rows[:len(samples)] == np.arange(len(samples))).all())
+        return jax.device_get(self._sample(
+            logits if identity else sampler.gather_rows(logits, rows), md,
+            # Processed logprobs read the truncated distribution, which the greedy path skips.
+            all_greedy=all(s.params.is_greedy and s.params.logprobs_mode == "raw"
+                           for _, s, _, _ in samples),
+            num_logprobs=num_logprobs))
 
     def apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write block copies, padded to a power of two with repeats of the first."""
@@ -480,16 +488,13 @@ class ModelRunner:
     def prepare_sampling(self, samples: list[tuple[int, Sequence, int, list[int]]]
                          ) -> tuple[np.ndarray, SamplingMetadata]:
         """Per-sample arrays for `sampler.sample`, padded to a power of two R, and i32[R] the
-        logits row each sample draws from (a step's sequence i has logits row i); from the
-        persistent `input_batch`'s per-row parameters (`InputBatch.sampling_metadata`).
-
-        `samples` are (logits row, seq, j, proposals): sample j of a row drawing several uses
-        seed `seq.seed + j` (mod 2**64), so the j-th of n completions equals a lone request
-        seeded `seed + j` (vLLM's convention). A draw that verifies speculative tokens comes
-        after `proposals` (the ones before it, taken as accepted): it is output token
-        `num_output_tokens + len(proposals)`, with that token's key. (Proposals go only to
-        sequences whose draws depend on no other earlier output: `spec_decode.num_proposals`.)
-        """
+        logits row each sample draws from, from the persistent `input_batch`'s per-row
+        parameters (`InputBatch.sampling_metadata`). `samples` are (logits row, seq, j,
+        proposals): sample j of a row drawing several uses seed `seq.seed + j` (mod 2**64), as
+        a lone request seeded `seed + j` would (vLLM's convention). A draw verifying
+        speculative tokens after `proposals` (taken as accepted) is output token
+        `num_output_tokens + len(proposals)`, with that token's key (proposals go only to
+        sequences whose draws depend on no earlier output: `spec_decode.num_proposals`)."""
         row_index = np.zeros((next_power_of_2(len(samples)),), np.int32)
         row_index[:len(samples)] = [row for row, _, _, _ in samples]
         return row_index, self.input_batch.sampling_metadata(samples)
