@@ -126,12 +126,14 @@ def test_new_weights_reach_each_shard(tp_results, run):
 
 def test_the_step_communicates_what_the_partitioning_implies(tp_results):
     """Per layer two all-reduces (after the row-parallel o_proj and down_proj), one for the
-    vocabulary-parallel embedding lookup, one all-gather of the logits, and nothing that
-    gathers a weight matrix."""
+    vocabulary-parallel embedding lookup, one of the step's greedy draws (each device's first
+    index of the row maximum in its vocabulary slice), one all-gather of the logits, and
+    nothing that gathers a weight matrix."""
     hlo = tp_results["hlo"]
     found, L = hlo["collectives"], hlo["num_layers"]
-    assert len(found["all-reduce"]) == 2 * L + 1, found
-    assert all(shape == "f32[16,64]" for shape in found["all-reduce"]), found  # [T, D]
+    assert len(found["all-reduce"]) == 2 * L + 2, found
+    assert found["all-reduce"].count("s32[16]") == 1, found  # the greedy token ids [S]
+    assert all(shape in ("f32[16,64]", "s32[16]") for shape in found["all-reduce"]), found
     assert found["all-gather"] == ["f32[16,49152]"], found  # the logits [S, V]
     assert not set(found["all-gather"]) & set(hlo["weights"])
     assert not found["reduce-scatter"] and not found["all-to-all"], found

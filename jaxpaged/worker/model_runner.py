@@ -97,13 +97,13 @@ class ModelRunner:
         # The step takes the parameters as their flat list of arrays (`param_leaves`): jax
         # flattens a list in C++, an `nnx.State` of Variables in Python (a millisecond a step).
         graphdef = self.graphdef
+        self.replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
 
         def model_step(leaves, kv_cache, batch, all_positions):
             logits, kv_cache = forward(graphdef, jax.tree.unflatten(treedef, leaves), kv_cache,
                                        batch, all_positions)
-            # Each row's greedy draw, so that plain greedy decoding needs no sampler call.
-            greedy = None if all_positions else sampler.greedy_draw(logits)
-            return logits, greedy, kv_cache
+            # Each row's greedy draw: plain greedy decoding then needs no sampler call.
+            return logits, None if all_positions else sampler.greedy_draw(logits), kv_cache
 
         if self.mesh is None:
             self._step = jax.jit(model_step, donate_argnums=1, static_argnums=3)
@@ -113,7 +113,6 @@ class ModelRunner:
             # step's metadata in and the logits out replicated (the sampler runs on every
             # device, so each process has the sampled tokens).
             pool = self.kv_cache.spec.sharding
-            self.replicated = NamedSharding(self.mesh, P())
             params = [x.sharding for x in self.param_leaves]
             self._step = jax.jit(model_step, donate_argnums=1, static_argnums=3,
                                  in_shardings=(params, pool, self.replicated),
@@ -138,8 +137,7 @@ class ModelRunner:
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         self.input_batch = InputBatch(
             max(max_num_seqs, self.limits.max_seq_slots), self.limits.max_blocks_per_seq,
-            self.config.vocab_size, eos_token_ids,
-            None if self.mesh is None else self.replicated)
+            self.config.vocab_size, eos_token_ids, self.replicated)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -284,9 +282,9 @@ class ModelRunner:
         batches += [(T, dataclasses.replace(b, logits_indices=np.zeros((T,), np.int32)))
                     for T, b in batches if 2 <= T <= spec_tokens]
         # `prepare_sampling` pads the sample count to a power of two.
-        draws = sampler.precompile_inputs(
-            self.config.vocab_size, pow2s(1, next_power_of_2(max(self.max_num_seqs, spec_tokens))),
-            None if self.mesh is None else self.replicated) if sampler_variants else []
+        counts = pow2s(1, next_power_of_2(max(self.max_num_seqs, spec_tokens)))
+        draws = (sampler.precompile_inputs(self.config.vocab_size, counts, self.replicated)
+                 if sampler_variants else [])
         jobs = ([(self._step, (self.param_leaves, self.kv_cache.pool, b), (False,), {})
                  for _, b in batches]
                 + [(sample_jit, (logits, md), (), dict(all_greedy=g, num_logprobs=0))
