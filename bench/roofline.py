@@ -8,7 +8,8 @@ For each model, decode steps of B running sequences (B in --batches, each with -
 cached) and prefill steps of one prompt of T tokens (T in --prefill) run through the engine as
 serving runs them. Each engine step is split into:
   step     the jitted model step (`ModelRunner._run_step`, waited for),
-  sampler  the jitted sampler and the copy of its result to the host (`ModelRunner._sample`),
+  sampler  the jitted sampler, its inputs and the copy of its result to the host
+           (`ModelRunner._draw`; none for plain greedy decoding, whose draws the step makes),
   host     the rest of `LLMEngine.step`: scheduling, building the step's arrays, detokenizing.
 Beside the step time stand its lower bounds on this machine:
   weight-read  bytes the step must read (every weight once, the LM head's included, and the
@@ -61,7 +62,9 @@ class Timers:
 
         self.step_s, self.sampler_s = [], []
         self.last_T = 0  # padded tokens of the last step
-        run_step, sample = runner._run_step, runner._sample
+        # `_sample` in trees from before the step made greedy draws (bench/against_commit.py).
+        self.sample_name = "_draw" if hasattr(runner, "_draw") else "_sample"
+        run_step, sample = runner._run_step, getattr(runner, self.sample_name)
 
         def timed_step(batch, *args, **kwargs):
             self.last_T = len(batch.input_ids)
@@ -76,7 +79,8 @@ class Timers:
             self.sampler_s.append(time.perf_counter() - start)
             return out
 
-        runner._run_step, runner._sample = timed_step, timed_sample
+        runner._run_step = timed_step
+        setattr(runner, self.sample_name, timed_sample)
 
     def reset(self):
         self.step_s.clear()

@@ -132,17 +132,19 @@ def run(llm, requests, batch: int) -> dict:
 def verification_cost(llm, k: int, batches=(1, 2, 4, 8, 16, 32), repeats: int = 5) -> dict:
     """Seconds of a decode-only step of B * (k + 1) tokens over one of B tokens (module doc),
     on the engine's runner with padding-only inputs of those sizes (nothing written)."""
+    import jax
+
     runner = llm.llm_engine.runner
     out = {}
     for B in batches:
         times = []
         for T in (B, B * (k + 1)):
             batch = runner._padding_batch(runner.step_tokens(T))
-            runner._run_step(batch).block_until_ready()  # compiles
+            jax.block_until_ready(runner._run_step(batch))  # compiles
             best = float("inf")
             for _ in range(repeats):
                 start = time.perf_counter()
-                runner._run_step(batch).block_until_ready()
+                jax.block_until_ready(runner._run_step(batch))
                 best = min(best, time.perf_counter() - start)
             times.append(best)
         out[B] = {"plain_s": times[0], "verify_s": times[1], "ratio": times[1] / times[0]}

@@ -15,9 +15,10 @@ way, one scale per vocabulary row: the embedding is a fifth of a 135M model's we
 "w8a8" keeps the same int8 weights and also quantizes each layer's input per token, on the fly
 (`w8a8_matmul`): the product is summed in int32, which the CPU's VNNI instructions do at four
 times float32's multiply-adds per instruction. The tied LM head (`QuantizedEmbed.attend`) does
-the same. On the CPU kernels the weights are packed at load time for the C++ W8A8 GEMM
-(`pack_int8`), which takes every step size; its integer sums are exact, so a token's outputs do
-not depend on the rest of its step.
+the same. On the CPU kernels of a CPU with VNNI the weights are packed at load time
+(`pack_int8`) and each product is one C++ call at every step size (quantizing, the int8 GEMM and
+the scaling); its integer sums are exact, so a token's outputs do not depend on the rest of its
+step.
 
 "q8_0" keeps one scale per 32 weights along K, as GGUF's Q8_0 does (`class Q8_0`): on a
 Q8_0 file the weights are the file's, not re-quantized per channel, at some cost in speed for

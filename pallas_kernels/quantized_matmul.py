@@ -17,15 +17,16 @@ activations are `W8A8_ACTIVATION_TERMS` int8 terms: the second quantizes, per to
 rounding error (`quantize_activations`), which cuts the error bound 127-fold for a second int8
 product over the same weights (the terms are stacked as extra rows of one int8 matmul).
 
-On a CPU with AVX-512 VNNI the int8 products are the C++ kernel's (`csrc/w8a8_matmul_cpu.cc`),
-a GEMM on weights packed once at load time (`pack_int8`: panels of 16 output channels, 4
-consecutive k side by side, VNNI's operand layout) that runs every step size, from one token's
-GEMV to a prefill chunk; elsewhere XLA's int8 dot (the kernel's portable loop computes the
-same sums, for tests, more slowly than XLA). On a 2-core Zen 4 the kernel's int8 product is
-1.2-2.6x XLA's int8 dot and 1.6-4.7x a float32 dot from 32 rows up, and a whole W8A8 call
-(two activation terms) 0.9-2.4x a float32 dot (`bench/results/quantized-matmul.json`). The
-int32 sums are exact and the scaling after them is the same XLA code on every path, so every
-path gives the same bits, and a row's output does not depend on the other rows of its step.
+On a CPU with AVX-512 VNNI the whole product is one call of the C++ kernel
+(`csrc/w8a8_matmul_cpu.cc`, `w8a8_matmul_kernel`): it quantizes the activations into their
+terms, multiplies them by weights packed once at load time (`pack_int8`: panels of 16 output
+channels, 4 consecutive k side by side, VNNI's operand layout) at every step size, from one
+token's GEMV to a prefill chunk, and scales the sums; elsewhere XLA computes it (the kernel's
+portable loop gives the same results, for tests, more slowly than XLA). On a 2-core Zen 4 the
+kernel's int8 product is 1.1-3.6x XLA's int8 dot from 32 rows up, and a whole W8A8 call
+1.6-2.5x XLA's and 0.9-2.5x a float32 dot (`bench/results/quantized-matmul.json`). The int32
+sums are exact and the kernel repeats XLA's float operations in XLA's order, so every path
+gives the same bits, and a row's output does not depend on the other rows of its step.
 
 GGUF's Q8_0 keeps its blocks (`q8_0_matmul`): one scale per 32 weights along K
 (`dw: f32[N, K // 32]`) instead of one per output channel. Steps of a few rows quantize the
@@ -184,9 +185,15 @@ def w8a8_matmul_kernel(x: jax.Array, wp: jax.Array, wsum: jax.Array, scale: jax.
     """The whole W8A8 product in the C++ kernel (call where `cpu_attention.available()`): x
     f32[M, K] quantized there as `quantize_activations` does, the terms' int8 products on
     `pack_int8(w) = (wp, wsum)`, scaled by scale f32[N] and added there too: f32[M, N], one
-    custom call in place of the dozen small XLA ops of the other path. Equal to it up to
-    float32 rounding (`ScaleSums`), with the same int8 terms; `portable`: the kernel's portable
-    path even where the CPU has VNNI (tests; the same bits)."""
+    custom call in place of the dozen small XLA ops of the other path, whose float operations
+    it repeats in their order (the same bits, tested); `portable`: the kernel's portable path
+    even where the CPU has VNNI (tests; the same bits).
+
+    Raises:
+      ValueError: `terms` is not 1 or 2 (the kernel's).
+    """
+    if terms not in (1, 2):
+        raise ValueError(f"w8a8_matmul_kernel: terms must be 1 or 2, got {terms}")
     call = jax.ffi.ffi_call(cpu_attention.W8A8_MATMUL_F32_TARGET,
                             jax.ShapeDtypeStruct((x.shape[0], scale.shape[0]), jnp.float32))
     return call(x.astype(jnp.float32), wp, wsum, scale.astype(jnp.float32),
@@ -212,12 +219,11 @@ def w8a8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, wsum: jax.Array | 
         (tests; the same bits).
 
     Returns:
-      f32[..., N]: the same int8 terms and int32 sums on both paths, the float32 scaling
-      equal up to rounding (the kernel's is `ScaleSums`, XLA's may fuse differently); the
-      kernel's bits are the same on every CPU and a row's do not depend on the other rows.
+      f32[..., N], the same bits on both paths (the kernel repeats XLA's float operations in
+      their order); a row's do not depend on the other rows of its step.
 
     Raises:
-      ValueError: mismatched shapes or dtypes.
+      ValueError: mismatched shapes or dtypes, or packed weights with `terms` not 1 or 2.
     """
     packed = w.ndim == 4
     if packed:

@@ -132,6 +132,28 @@ def test_w8a8_matmul_equals_its_terms_and_the_float_product_within_the_bound(M, 
         assert np.all(np.asarray(sx)[M:] <= np.asarray(sx)[:M] / 254 * (1 + 1e-6) + 1e-30)
 
 
+@needs_kernel
+def test_w8a8_kernel_quantizes_many_rows_as_xla_does():
+    """Over 40,000 rows with outlier features, the kernel's quantization and scaling give
+    XLA's bits in every row (a rounding that differs in one element of one row would show)."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((20000, 96)) * np.exp(rng.standard_normal(96) * 2),
+                    jnp.float32)
+    w = jnp.asarray(rng.integers(-127, 128, (48, 96)), jnp.int8)
+    scale = jnp.asarray(rng.random(48) * 0.01, jnp.float32)
+    wp, wsum = pack_int8(w)
+    for x_ in (x, x * 1e-3):
+        np.testing.assert_array_equal(w8a8_matmul(x_, wp, scale, wsum), w8a8_matmul(x_, w, scale))
+
+
+@needs_kernel
+def test_w8a8_kernel_names_a_term_count_it_does_not_take():
+    x, w, scale = _w8a8_operands(3, 40, 64)
+    wp, wsum = pack_int8(w)
+    with pytest.raises(ValueError, match="terms must be 1 or 2, got 3"):
+        w8a8_matmul(x, wp, scale, wsum, terms=3)
+
+
 def test_w8a8_rows_do_not_depend_on_the_rest_of_the_step():
     """A row's output is the same alone, in a step the kernel takes and in XLA's."""
     x, w, scale = _w8a8_operands(70, 130, 200)

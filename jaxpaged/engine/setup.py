@@ -93,6 +93,7 @@ def build_runner(model: nnx.Module, cache_config: CacheConfig, num_blocks: int,
     if batch_invariant:
         runner.min_step_tokens = platform.batch_invariant_min_step_tokens(
             runner, runner.backend.name)
+        runner.greedy_draws = False
     shapes = runner.step_shapes(scheduler.max_num_batched_tokens)
     if isinstance(precompile, (list, tuple)):  # those step sizes alone, quietly
         wanted = {runner.step_tokens(n) for n in precompile}

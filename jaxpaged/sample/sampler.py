@@ -296,8 +296,9 @@ def greedy_draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def pick_greedy(greedy: tuple[np.ndarray, np.ndarray], rows: list[int]) -> SamplerOutput:
-    """`SamplerOutput` of the samples drawing from logits rows `rows`, from `greedy_draw`'s
-    arrays on the host: an argmax has rank 1 under the distribution it is drawn from."""
+    """`SamplerOutput` (token ids i32[n], logprobs f32[n], ranks i32[n], no top-k) of the n
+    samples drawing from logits rows `rows`, from `greedy_draw`'s arrays (i32[R], f32[R]) on
+    the host: an argmax has rank 1 under the distribution it is drawn from."""
     tokens, logprobs = greedy
     return SamplerOutput(tokens[rows], logprobs[rows], np.ones((len(rows),), np.int32), None,
                          None)

@@ -75,6 +75,9 @@ class ModelRunner:
         self.config = model.config
         # Steps of fewer tokens are padded up to this many (`step_tokens`; batch invariance).
         self.min_step_tokens = min_step_tokens
+        # Plain greedy draws from the step (`_sample_rows`). Off in batch-invariant mode, where a
+        # row's logprob would otherwise depend on whether its batch-mates are plain greedy.
+        self.greedy_draws = True
         self.backend = model.backend  # `pallas_kernels.backends.AttentionBackend`
         self.block_size = cache_config.block_size
         self.max_num_seqs = max_num_seqs
@@ -246,12 +249,6 @@ class ModelRunner:
         """
         return self._run_step(self.prepare(seqs, num_new_tokens))[0]
 
-    def _sample(self, logits: jax.Array, md: SamplingMetadata, all_greedy: bool,
-                num_logprobs: int) -> sampler.SamplerOutput:
-        """`sampler.sample` on logits f32[R, V] (asynchronous: arrays still on the device)."""
-        return self._executable(sample_jit, (logits, md), all_greedy=all_greedy,
-                                num_logprobs=num_logprobs)(logits, md)
-
     def step_tokens(self, num_tokens: int) -> int:
         """The padded token count T of a step of `num_tokens` tokens: their `bucket`, at least
         `min_step_tokens`."""
@@ -402,9 +399,10 @@ class ModelRunner:
                     row_of.append(row)
         if not samples:
             return per_row
+        # Plain greedy draws are the step's own (`greedy_draws`).
+        plain = self.greedy_draws and self.input_batch.plain_greedy(samples)
         res = (sampler.pick_greedy(jax.device_get(greedy), [s[0] for s in samples])
-               if greedy is not None and self.input_batch.plain_greedy(samples)
-               else self._draw(samples, logits))
+               if greedy is not None and plain else self._draw(samples, logits))
         # Of a row verifying proposals, its draws up to the first that differs from them.
         output = (rejection_sample(res.token_ids[:len(samples)], np.asarray(row_of),
                                    [len(before) for _, _, _, before in samples], spec).tolist()
@@ -422,20 +420,20 @@ class ModelRunner:
 
     def _draw(self, samples: list[tuple[int, Sequence, int, list[int]]], logits: jax.Array
               ) -> sampler.SamplerOutput:
-        """The sampler's draws for `samples` (`prepare_sampling`), on the host."""
+        """The jitted `sampler.sample`'s draws for `samples` (`prepare_sampling`), on the host."""
         rows, md = self.prepare_sampling(samples)
         num_logprobs = max((s.params.logprobs or 0) for _, s, _, _ in samples)
         num_logprobs = num_logprobs and next_power_of_2(num_logprobs)
         # Draws from logits rows 0.. in order, as many rows as samples (a decode step): the
         # step's logits as they are (the padding samples draw from padding rows).
-        identity = (len(rows) == logits.shape[0]
-                    and (rows[:len(samples)] == np.arange(len(samples))).all())
-        return jax.device_get(self._sample(
-            logits if identity else sampler.gather_rows(logits, rows), md,
-            # Processed logprobs read the truncated distribution, which the greedy path skips.
-            all_greedy=all(s.params.is_greedy and s.params.logprobs_mode == "raw"
-                           for _, s, _, _ in samples),
-            num_logprobs=num_logprobs))
+        if not (len(rows) == logits.shape[0]
+                and (rows[:len(samples)] == np.arange(len(samples))).all()):
+            logits = sampler.gather_rows(logits, rows)
+        # Processed logprobs read the truncated distribution, which the greedy path skips.
+        all_greedy = all(s.params.is_greedy and s.params.logprobs_mode == "raw"
+                         for _, s, _, _ in samples)
+        return jax.device_get(self._executable(sample_jit, (logits, md), all_greedy=all_greedy,
+                                               num_logprobs=num_logprobs)(logits, md))
 
     def apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write block copies, padded to a power of two with repeats of the first."""

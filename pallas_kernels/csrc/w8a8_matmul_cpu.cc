@@ -1,12 +1,17 @@
-// The int8 GEMM of W8A8 for XLA on CPU (an XLA FFI custom call): int8 activations times int8
-// weights summed in int32, `quantized_matmul.int8_dot_kernel`.
+// W8A8 for XLA on CPU (XLA FFI custom calls), two targets on one GEMM:
 //
-//   acc[m, n] = sum_k xq[m, k] * w[n, k]
+//   JaxpagedW8A8Matmul     int8 activations times int8 weights summed in int32
+//                          (`quantized_matmul.int8_dot_kernel`): acc[m, n] = sum_k xq[m, k] w[n, k]
+//   JaxpagedW8A8MatmulF32  the whole product (`quantized_matmul.w8a8_matmul_kernel`): float
+//                          activations quantized here into `terms` int8 terms per row
+//                          (`QuantizeRows`), the GEMM, the sums scaled by the activations' and
+//                          the weights' scales and the terms added (`ScaleSums`): one call in
+//                          place of a dozen small XLA ops around an int8 dot.
 //
-// xq are the activations quantized per row (per token) by the caller, w the weights quantized
-// per output channel (both symmetric, in [-127, 127]); the caller applies the scales. The sum
-// is exact in int32, so it equals XLA's int8 dot bit for bit whichever path runs, and a row's
-// sums do not depend on the other rows of the step.
+// Activations and weights are symmetric int8 in [-127, 127], per row and per output channel.
+// The sum is exact in int32, so it equals XLA's int8 dot bit for bit whichever path runs, and
+// a row's sums do not depend on the other rows of the step; `QuantizeRows` and `ScaleSums`
+// repeat XLA's float operations in XLA's order, so the whole product equals XLA's too.
 //
 // The weights come packed once, at load time (`quantized_matmul.pack_int8`), in panels of 16
 // output channels, four consecutive k of each channel side by side:
@@ -20,8 +25,8 @@
 // registers and reads each weight vector once per tile: a GEMM for prefill and batched
 // decode; one or two rows take 4 panels at a time (a GEMV streaming 4 weight panels). vpdpbusd's
 // first operand is unsigned: the activations are offset by 128 (as u8, x + 128, in a buffer
-// per call) and 128 * wsum[n] (wsum[n] = sum_k w[n, k], computed when packing) is subtracted
-// from each sum at the end.
+// the calling thread keeps) and 128 * wsum[n] (wsum[n] = sum_k w[n, k], computed when
+// packing) is subtracted from each sum at the end.
 //
 // VNNI is checked at run time (`__builtin_cpu_supports`); without it the portable path
 // computes the same int32 sums with plain loops (which the compiler vectorizes for the machine
@@ -30,9 +35,11 @@
 // A task is a group of kGroupPanels panels over a block of kRowBlock rows; tasks are shared
 // with XLA's intra-op thread pool.
 //
-// Inputs: xq s8[M, K], wp s8[P, K4, 16, 4] with P = ceil(N / 16) and K4 = ceil(K / 4), wsum
-// s32[16 P]. Attribute `portable` (bool): take the portable path even where VNNI exists
-// (tests). Output: acc s32[M, N] (N from its shape, 16 (P - 1) < N <= 16 P).
+// Inputs: xq s8[M, K] (the whole product: x f32[M, K]), wp s8[P, K4, 16, 4] with
+// P = ceil(N / 16) and K4 = ceil(K / 4), wsum s32[16 P] (the whole product: and scale f32[N]).
+// Attributes: `portable` (bool): take the portable path even where VNNI exists (tests);
+// `terms` (the whole product; 1, 2 or 3). Output: acc s32[M, N], or y f32[M, N] (N from its
+// shape, 16 (P - 1) < N <= 16 P).
 
 #include <algorithm>
 #include <cmath>
@@ -40,6 +47,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -61,31 +69,47 @@ constexpr int64_t kRows = 6;         // activation rows per tile
 constexpr int64_t kGroupPanels = 4;  // panels per task
 constexpr int64_t kRowBlock = 48;    // rows per task
 
+// max_k |x[k]| (exact in any order, so left to -ffast-math's vectorized reduction).
+__attribute__((noinline)) float RowAbsMax(const float* x, int64_t K) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  return amax;
+}
+
+// The library is built with -ffast-math; the two functions below must compute exactly what
+// XLA computes (IEEE operations in the order written; -ffast-math would, for one, turn
+// 1 / (amax * (1 / 127)) into 127 / amax), so they are compiled without it.
+#if defined(__clang__)
+#pragma float_control(precise, on, push)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "no-math-errno", "no-trapping-math")
+#endif
+
 // The activations of the whole product (`W8A8MatmulF32Impl`) as `terms` int8 terms per row,
 // as `quantized_matmul.quantize_activations` computes them in XLA: term 0 of a row is
 // symmetric per row, s = max|x| * (1 / 127) (1 where the row is zero), q = clip(rint(x / s),
 // -127, 127) with the division taken as x * (1 / s); each further term quantizes the same way
-// what the terms before it leave, x - q * s (one FMA). Row m's term t goes to row
-// m * terms + t of q (s8[M * terms, K]) and s (f32[M * terms]). Not inlined, so that every
-// path runs the same instructions and gets the same bits.
+// what the terms before it leave, x - q * s (one FMA; `rest`: f32[K] room for it). Row m's
+// term t goes to row m * terms + t of q (s8[M * terms, K]) and s (f32[M * terms]). Not
+// inlined, so that every path runs the same instructions and gets the same bits.
 __attribute__((noinline)) void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t terms,
-                                            int8_t* q, float* s) {
-  std::vector<float> rest(K);
+                                            int8_t* q, float* s, float* rest) {
   for (int64_t m = 0; m < M; ++m) {
     const float* src = x + m * K;
     for (int64_t t = 0; t < terms; ++t) {
-      float amax = 0.0f;
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(src[k]));
+      const float amax = RowAbsMax(src, K);
       const float scale = amax > 0.0f ? amax * (1.0f / 127.0f) : 1.0f;
       const float inv = 1.0f / scale;
       int8_t* row = q + (m * terms + t) * K;
       for (int64_t k = 0; k < K; ++k) {
-        const float v = std::min(std::max(std::rint(src[k] * inv), -127.0f), 127.0f);
+        const float r = __builtin_rintf(src[k] * inv);
+        const float v = r < -127.0f ? -127.0f : r > 127.0f ? 127.0f : r;
         row[k] = static_cast<int8_t>(v);
-        rest[k] = std::fma(-v, scale, src[k]);
+        rest[k] = __builtin_fmaf(-v, scale, src[k]);
       }
       s[m * terms + t] = scale;
-      src = rest.data();
+      src = rest;
     }
   }
 }
@@ -105,16 +129,29 @@ __attribute__((noinline)) void ScaleSums(const int32_t* acc, const float* s, con
     for (int64_t t = terms - 2; t >= 0; --t) {
       const int32_t* a = acc + (m * terms + t) * N;
       const float st = s[m * terms + t];
-      for (int64_t n = n0; n < n1; ++n) row[n] = std::fma(float(a[n]), st * scale[n], row[n]);
+      for (int64_t n = n0; n < n1; ++n) row[n] = __builtin_fmaf(float(a[n]), st * scale[n], row[n]);
     }
   }
 }
 
-// A buffer of at least n T's kept by the calling thread from call to call (the kernel's
-// scratch: its helpers use it only while the call waits for them); `Slot` tells apart the
-// buffers of one type.
+#if defined(__clang__)
+#pragma float_control(pop)
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
+// Buffers up to this size are kept by the calling thread from call to call (`Scratch`).
+constexpr int64_t kKeptScratchBytes = int64_t(8) << 20;
+
+// Room for n T's: a buffer the calling thread keeps from call to call (the kernel's scratch:
+// its helpers use it only while the call waits for them; `Slot` tells apart the buffers of one
+// type), or for more than kKeptScratchBytes, `owned`, which the call's `Work` frees.
 template <class T, int Slot>
-T* Scratch(int64_t n) {
+T* Scratch(int64_t n, std::vector<T>& owned) {
+  if (n * int64_t(sizeof(T)) > kKeptScratchBytes) {
+    owned.resize(n);
+    return owned.data();
+  }
   thread_local std::vector<T> buffer;
   if (int64_t(buffer.size()) < n) buffer.resize(n);
   return buffer.data();
@@ -124,23 +161,28 @@ struct Work {
   const int8_t* xq;   // the quantized rows: the caller's, or `q` (the whole product)
   const int8_t* wp;
   const int32_t* wsum;
-  int32_t* acc;       // int32 sums of every quantized row: the output, or `sums`
+  int32_t* acc;       // int32 sums of every quantized row: the output, or scratch
   int64_t M, N, K, P, K4;  // M: quantized rows (terms per activation row in the product)
   bool vnni;
   uint8_t* xu = nullptr;  // VNNI path: xq + 128 as u8, rows of 4 * K4 bytes (128 past K)
   int64_t row_blocks, num_tasks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
-  // The whole W8A8 product only (`Product`): float activations in, float outputs out.
+  // The whole W8A8 product only (`W8A8MatmulF32Impl`): float activations in, float out.
   const float* scale = nullptr;  // f32[N] per-output weight scales
   float* y = nullptr;            // f32[M / terms, N]
   int64_t terms = 1;
   int8_t* q = nullptr;    // the activations' terms, row m's term t at row m * terms + t
   float* sx = nullptr;    // their scales
+  // Scratch too large to keep (`Scratch`), freed with the call's Work.
+  std::vector<uint8_t> owned_xu;
+  std::vector<int8_t> owned_q;
+  std::vector<float> owned_sx, owned_rest;
+  std::vector<int32_t> owned_acc;
 
   void Prepare() {
     if (!vnni) return;
-    xu = Scratch<uint8_t, 0>(M * K4 * 4);
+    xu = Scratch<uint8_t, 0>(M * K4 * 4, owned_xu);
     for (int64_t m = 0; m < M; ++m) {
       uint8_t* row = xu + m * K4 * 4;
       for (int64_t k = 0; k < K; ++k) row[k] = static_cast<uint8_t>(int32_t(xq[m * K + k]) + 128);
@@ -150,10 +192,10 @@ struct Work {
 
   // The whole product: quantizes the activations x f32[M / terms, K] and keeps their sums.
   void QuantizeActivations(const float* x) {
-    q = Scratch<int8_t, 1>(M * K);
-    sx = Scratch<float, 2>(M);
-    acc = Scratch<int32_t, 3>(M * N);
-    QuantizeRows(x, M / terms, K, terms, q, sx);
+    q = Scratch<int8_t, 1>(M * K, owned_q);
+    sx = Scratch<float, 2>(M, owned_sx);
+    acc = Scratch<int32_t, 3>(M * N, owned_acc);
+    QuantizeRows(x, M / terms, K, terms, q, sx, Scratch<float, 4>(K, owned_rest));
     xq = q;
   }
 
@@ -283,6 +325,20 @@ ffi::Error Setup(Work& work, const char* name, ffi::Buffer<ffi::S8>& wp,
   return ffi::Error::Success();
 }
 
+// Quantizes the activations x (the whole product; null: the int8 product alone), then runs
+// the tasks; a scratch buffer that cannot be had is an error, not a crash.
+ffi::Error Run(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work, const float* x) {
+  try {
+    if (x != nullptr) work->QuantizeActivations(x);
+    work->Prepare();
+  } catch (const std::bad_alloc&) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "w8a8_matmul_cpu: out of memory for the activations' scratch");
+  }
+  jaxpaged::RunTasks(pool, work, work->num_tasks);
+  return ffi::Error::Success();
+}
+
 // The int8 product alone: acc s32[M, N] = xq s8[M, K] times the packed weights.
 ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
                           ffi::Buffer<ffi::S8> wp, ffi::Buffer<ffi::S32> wsum,
@@ -298,9 +354,7 @@ ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq,
   work->xq = reinterpret_cast<const int8_t*>(xq.typed_data());
   work->acc = acc->typed_data();
   if (work->M == 0 || work->num_tasks == 0) return ffi::Error::Success();
-  work->Prepare();
-  jaxpaged::RunTasks(pool, work, work->num_tasks);
-  return ffi::Error::Success();
+  return Run(pool, work, nullptr);
 }
 
 // The whole W8A8 product: y f32[M, N] from x f32[M, K] (quantized here as `terms` int8 terms
@@ -312,9 +366,9 @@ ffi::Error W8A8MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   auto xd = x.dimensions();
   auto yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || scale.element_count() != yd[1] ||
-      terms < 1 || kRowBlock % terms != 0)
+      (terms != 1 && terms != 2))
     return ffi::Error::InvalidArgument(
-        "w8a8_matmul_f32_cpu: x must be [M, K], scale [N], y [M, N] and terms 1, 2 or 3");
+        "w8a8_matmul_f32_cpu: x must be [M, K], scale [N], y [M, N] and terms 1 or 2");
   auto work = std::make_shared<Work>();
   if (auto e = Setup(*work, "w8a8_matmul_f32_cpu", wp, wsum, xd[0] * terms, xd[1], yd[1],
                      portable);
@@ -324,10 +378,7 @@ ffi::Error W8A8MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   work->scale = scale.typed_data();
   work->y = y->typed_data();
   if (work->M == 0 || work->num_tasks == 0) return ffi::Error::Success();
-  work->QuantizeActivations(x.typed_data());
-  work->Prepare();
-  jaxpaged::RunTasks(pool, work, work->num_tasks);
-  return ffi::Error::Success();
+  return Run(pool, work, x.typed_data());
 }
 
 }  // namespace
