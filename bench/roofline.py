@@ -167,7 +167,9 @@ def profile_model(name: str, args, peaks: dict) -> list[dict]:
                     else [len(prompts[0])])
         nbytes, flops = step_cost(config, params_bytes, embed.nbytes, tied, T, S, contexts,
                                   jax.numpy.dtype(args.dtype).itemsize)  # the KV pool's
-        step, sampler = float(np.median(timers.step_s)), float(np.median(timers.sampler_s))
+        step = float(np.median(timers.step_s))
+        # No sampler call at all where every draw was a plain greedy one, made by the step.
+        sampler = float(np.median(timers.sampler_s)) if timers.sampler_s else 0.0
         total, host = float(np.median(totals)), float(np.median(hosts))
         bw_s = nbytes / peaks["bandwidth_bytes_per_s"]
         flop_s = flops / peaks["matmul_flops_per_s"]
