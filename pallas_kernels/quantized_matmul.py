@@ -43,8 +43,8 @@ from __future__ import annotations
 import functools
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpaged.pallas_kernels import cpu_attention
 

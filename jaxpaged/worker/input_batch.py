@@ -189,9 +189,8 @@ class InputBatch:
         """`SamplingMetadata` for `samples` (logits row, seq, j, proposals) of sequences
         `sync` has added, padded to R = next power of two; see
         `ModelRunner.prepare_sampling`."""
-        n, R, V = len(samples), next_power_of_2(len(samples)), self.vocab_size
-        rows = np.full((R,), self.max_num_rows, np.int32)
-        rows[:n] = [self.row_of[seq.seq_id] for _, seq, _, _ in samples]
+        rows = self._rows_of(samples)
+        n, R, V = len(samples), len(rows), self.vocab_size
         static = self._static_metadata(rows)
         seeds = static["seeds"]
         output_index = np.zeros((R,), np.int32)
@@ -227,10 +226,14 @@ class InputBatch:
         if any(seq.matcher is not None or not seq.params.is_greedy
                or seq.params.logprobs is not None for _, seq, _, _ in samples):
             return False
+        static = self._static_metadata(self._rows_of(samples))
+        return not static["uses_dense"] and static["processed"] is None
+
+    def _rows_of(self, samples: list[tuple[int, Sequence, int, list[int]]]) -> np.ndarray:
+        """i32[R]: each sample's row, padded to R = next power of two with `max_num_rows`."""
         rows = np.full((next_power_of_2(len(samples)),), self.max_num_rows, np.int32)
         rows[:len(samples)] = [self.row_of[seq.seq_id] for _, seq, _, _ in samples]
-        static = self._static_metadata(rows)
-        return not static["uses_dense"] and static["processed"] is None
+        return rows
 
     def _static_metadata(self, rows: np.ndarray) -> dict:
         """What a step's metadata takes from its rows' parameters alone: the same while the

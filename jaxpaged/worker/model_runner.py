@@ -301,9 +301,10 @@ class ModelRunner:
                 self._run_step(batch)
         self.kv_cache.block_until_ready()
         logger.info("compiled %d executables, found %d in the compilation cache%s (loaded "
-                    "when first run; %d step shapes, %d sampler variants)", cache.num_compiled
-                    - before[0], cache.num_on_disk - before[1], "" if cache.folder is None
-                    else f" {cache.folder.parent}", len(shapes), len(draws))
+                    "when first run; %d step shapes, %d sampler variants)",
+                    cache.num_compiled - before[0], cache.num_on_disk - before[1],
+                    "" if cache.folder is None else f" {cache.folder.parent}",
+                    len(shapes), len(draws))
 
     def _padding_batch(self, T: int, decode_only: bool = False) -> ModelInput:
         """A padding-only step of T tokens (see `step_shapes`): it writes nothing."""

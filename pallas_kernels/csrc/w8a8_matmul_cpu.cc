@@ -38,7 +38,7 @@
 // Inputs: xq s8[M, K] (the whole product: x f32[M, K]), wp s8[P, K4, 16, 4] with
 // P = ceil(N / 16) and K4 = ceil(K / 4), wsum s32[16 P] (the whole product: and scale f32[N]).
 // Attributes: `portable` (bool): take the portable path even where VNNI exists (tests);
-// `terms` (the whole product; 1, 2 or 3). Output: acc s32[M, N], or y f32[M, N] (N from its
+// `terms` (the whole product; 1 or 2). Output: acc s32[M, N], or y f32[M, N] (N from its
 // shape, 16 (P - 1) < N <= 16 P).
 
 #include <algorithm>
