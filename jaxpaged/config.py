@@ -62,9 +62,13 @@ class SchedulerConfig:
     # request's `priority`, lower first, then arrival; vLLM's semantics: a waiting request may
     # preempt running ones of lower priority), or a policy registered there.
     scheduling_policy: str = "fcfs"
+    # Decode steps run in a row, with their draws made on the device, when every running
+    # sequence decodes greedily and nothing waits (`core.scheduler`, multi-step decoding).
+    num_scheduler_steps: int = 1
 
     def __post_init__(self):
-        for name in ("max_model_len", "max_num_seqs", "max_num_partial_prefills"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_partial_prefills",
+                     "num_scheduler_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")

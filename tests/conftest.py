@@ -100,6 +100,7 @@ def make_llm():
         _built.append(llm)
         return llm
 
+    make.built = _built  # the engines built so far in this test, in order
     yield make
     for llm in _built:
         stats = llm.stats()

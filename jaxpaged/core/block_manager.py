@@ -167,7 +167,7 @@ class BlockManager:
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         """Whether slots fit for `num_new_tokens` tokens computed past `seq.num_computed_tokens`,
         counting the copies of shared blocks those tokens would be written into."""
-        missing, shared = self._append_plan(seq, num_new_tokens)
+        missing, shared = self.append_plan(seq, num_new_tokens)
         return missing + len(shared) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
@@ -191,7 +191,7 @@ class BlockManager:
     def try_append_slots(self, seq: Sequence, num_new_tokens: int = 1
                          ) -> list[tuple[int, int]] | None:
         """`append_slots`, or None (changing nothing) where the blocks do not fit."""
-        missing, shared = self._append_plan(seq, num_new_tokens)
+        missing, shared = self.append_plan(seq, num_new_tokens)
         if missing + len(shared) > self.num_free_blocks:
             return None
         copies = []
@@ -204,7 +204,7 @@ class BlockManager:
         seq.block_table.extend(self._take() for _ in range(missing))
         return copies
 
-    def _append_plan(self, seq: Sequence, num_new_tokens: int) -> tuple[int, list[int]]:
+    def append_plan(self, seq: Sequence, num_new_tokens: int) -> tuple[int, list[int]]:
         """(blocks to add, indices of shared blocks to copy) for `num_new_tokens` more tokens
         computed past `seq.num_computed_tokens`."""
         table, computed = seq.block_table, seq.num_computed_tokens

@@ -24,6 +24,15 @@ proposer before the step; `jaxpaged.spec_decode`) computes them after its last t
 the budget and free blocks allow (proposals are dropped before anything is preempted for them);
 `update_from_output` appends the tokens the runner accepted and gives back the rest's slots.
 
+Multi-step decoding (`num_scheduler_steps` k > 1, vLLM's v0 name): when nothing waits, every
+running sequence decodes, and each may take k more tokens with its draws made on the device
+(`multi_step`, the engine's test: plain greedy, no proposer), one step runs k decode steps in a
+row (`SchedulerOutput.num_steps`), each feeding its greedy draws to the next, with slots booked
+for all k tokens up front (vLLM's lookahead slots). The host schedules, dispatches and books
+once per k tokens. `update_from_output` appends the k tokens in order and checks each, as a
+verified speculative row's, dropping those after one that ends its sequence (stop strings,
+checked by the engine, drop theirs there).
+
 The scheduling policy (`scheduling_policy`) is the waiting queue's class
 (`jaxpaged.core.request_queue`): it orders the waiting sequences and picks whom to preempt.
 Under "fcfs", when a running sequence needs a block and none is free, the most recently
@@ -61,6 +70,9 @@ class SchedulerOutput:
     # Sequences finished since the last step that ran, and those preempted in steps that ran
     # nothing (their rows leave the runner's input batch; `preempted` holds this step's).
     finished_seq_ids: list[int] = dataclasses.field(default_factory=list)
+    # Decode steps run in a row (multi-step decoding): each row computes one token in each, the
+    # later ones the greedy draws of the one before; its slots are booked for all of them.
+    num_steps: int = 1
 
     def completes(self, row: int) -> bool:
         """Whether row `row` computes up to its last token, so the step samples for it (a
@@ -74,7 +86,7 @@ class SchedulerOutput:
 
 
 class Sampled(Protocol):
-    """A token the runner sampled for a row (`model_runner.SampledToken`)."""
+    """A token the runner sampled for a row (`sampler.SampledToken`)."""
 
     token_id: int
     logprob: float  # the model's log-probability of it
@@ -105,15 +117,20 @@ class Scheduler:
       recompute_at: a length past which a sequence's earlier K/V no longer hold (longrope's
         switch), or None: a running sequence that reaches it is computed again from its start,
         as a preemption by recompute (transformers' Phi-3 drops its cache there too).
+      admit: whether a waiting sequence may join the running ones now (LoRA slots), or None.
+      multi_step: whether a decoding sequence's next tokens may be drawn on the device, several
+        steps in a row (`num_scheduler_steps`), or None: never.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  padded_tokens: Callable[[int], int] | None = None,
                  eos_token_ids: Collection[int] = frozenset(),
                  recompute_at: int | None = None,
-                 admit: Callable[[Sequence, list[Sequence]], bool] | None = None):
+                 admit: Callable[[Sequence, list[Sequence]], bool] | None = None,
+                 multi_step: Callable[[Sequence], bool] | None = None):
         self.config = config
         self.admit = admit
+        self.multi_step = multi_step
         self.recompute_at = recompute_at
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -164,6 +181,8 @@ class Scheduler:
                          self.config.max_num_batched_tokens)
             self._padding_left = min(self.padded_tokens(capped),
                                      self.config.max_num_batched_tokens) - capped
+        if self._schedule_multi_step(out):
+            return out
         self._preempt_for_admission(out)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -171,6 +190,31 @@ class Scheduler:
         if not out.seqs:  # the runner never sees this step: the next one carries its leavers
             self._finished_seq_ids = out.finished_seq_ids + [s.seq_id for s in out.preempted]
         return out if out.seqs or out.preempted else None
+
+    def _schedule_multi_step(self, out: SchedulerOutput) -> bool:
+        """Schedules `num_scheduler_steps` decode steps of every running sequence, if nothing
+        waits, each decodes, may (`multi_step`), has that many tokens left before `max_tokens`
+        and `max_model_len`, and the free blocks hold all their slots; else changes nothing."""
+        k, running = self.config.num_scheduler_steps, self.running
+        if (k == 1 or self.multi_step is None or self.waiting or not running
+                or len(running) > self.config.max_num_batched_tokens):
+            return False
+        for seq in running:
+            left = self.config.max_model_len - seq.num_tokens
+            if seq.params.max_tokens is not None:
+                left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+            if (not _is_decode(seq) or seq.spec_token_ids or left < k
+                    or self._passes_recompute_length(seq) or not self.multi_step(seq)):
+                return False
+        bm = self.block_manager
+        plans = [bm.append_plan(seq, k) for seq in running]
+        if sum(missing + len(shared) for missing, shared in plans) > bm.num_free_blocks:
+            return False
+        for seq in running:  # each fits: the sum above bounds what they take together
+            out.blocks_to_copy += bm.append_slots(seq, k)
+        out.seqs, out.num_scheduled_tokens = list(running), [1] * len(running)
+        out.spec_token_ids, out.num_steps = [[] for _ in running], k
+        return True
 
     def _prefill_tokens(self, seq: Sequence, remaining: int, budget: int) -> int:
         """Prompt tokens `seq` computes this step (0: none), within the step's budget and,
@@ -297,6 +341,9 @@ class Scheduler:
         for row, (seq, q) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
             if skip_request_ids and seq.request_id in skip_request_ids:
                 continue
+            if out.num_steps > 1:
+                appended.append((row, self._append_steps(seq, sampled[row])))
+                continue
             spec = specs[row] if specs else None
             if spec:
                 appended.append((row, self._append_verified(seq, spec, sampled[row])))
@@ -336,6 +383,22 @@ class Scheduler:
         seq.num_computed_tokens += 1 + accepted  # its last token and the accepted proposals
         appended = []
         for token in tokens:
+            self._append(seq, token)
+            appended.append((seq, token))
+            if seq.is_finished:
+                return appended
+        self.block_manager.trim(seq)
+        self.block_manager.cache_full_blocks(seq)
+        return appended
+
+    def _append_steps(self, seq: Sequence, tokens: list[Sampled]
+                      ) -> list[tuple[Sequence, Sampled]]:
+        """Books a row of a multi-step decode: each step computed the row's last token and
+        drew `tokens[i]`; each is appended and checked, up to one that ends the sequence, and
+        the slots past its tokens are given back. Returns (seq, token) for each appended."""
+        appended = []
+        for token in tokens:
+            seq.num_computed_tokens += 1
             self._append(seq, token)
             appended.append((seq, token))
             if seq.is_finished:

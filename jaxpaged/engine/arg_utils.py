@@ -100,6 +100,10 @@ class EngineArgs:
         "fcfs", "scheduler.scheduling_policy", "fcfs: arrival order; priority: a request's "
         "priority (lower first, ties by arrival), a waiting request preempting lower ones",
         choices=REQUEST_QUEUES.keys())  # a live view: policies registered later count
+    num_scheduler_steps: int = _option(
+        1, "scheduler.num_scheduler_steps", "decode steps run in a row with their greedy draws "
+        "fed back on the device, while every running sequence decodes plainly greedily and "
+        "nothing waits: the host's work once per that many tokens", min=1)
     block_size: int = _option(16, "cache.block_size", "tokens per KV block", min=1)
     num_kv_blocks: int | None = _option(
         None, "cache.num_kv_blocks", "blocks in the KV pool; default: as many as "

@@ -26,6 +26,7 @@ from jaxpaged.engine.weights import EngineWeights
 from jaxpaged.lora import LoRAManager, LoRARequest, check_lora_config, resolve_lora
 from jaxpaged.models.lora import lora_sites
 from jaxpaged.worker.kv_cache import resolve_kv_cache_dtype
+from jaxpaged.worker.multi_step import plain_greedy_decode
 from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.models import load_config
 from jaxpaged.models.quantization import check_quantization
@@ -105,7 +106,10 @@ class LLMEngine:
                                    padded_tokens=self.runner.step_tokens,
                                    eos_token_ids=self.eos_token_ids,
                                    recompute_at=self.model_config.rope_switch_length,
-                                   admit=self.lora and self.lora.admit)
+                                   admit=self.lora and self.lora.admit,
+                                   multi_step=(plain_greedy_decode
+                                               if self.runner.num_scheduler_steps > 1
+                                               else None))
         self.executor = FaultIsolatingExecutor(self.runner)
         self.proposer = (None if self.speculative_config is None else make_proposer(
             self.speculative_config, ProposerContext(

@@ -94,6 +94,10 @@ def build_runner(model: nnx.Module, cache_config: CacheConfig, num_blocks: int,
         runner.min_step_tokens = platform.batch_invariant_min_step_tokens(
             runner, runner.backend.name)
         runner.greedy_draws = False
+    elif not spec_tokens and not model.config.rope_switch_length:
+        # Multi-step decoding draws greedily on the device, with no proposer, in steps whose
+        # positions all rotate alike (longrope's switch recomputes a sequence).
+        runner.num_scheduler_steps = scheduler.num_scheduler_steps
     shapes = runner.step_shapes(scheduler.max_num_batched_tokens)
     if isinstance(precompile, (list, tuple)):  # those step sizes alone, quietly
         wanted = {runner.step_tokens(n) for n in precompile}

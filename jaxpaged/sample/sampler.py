@@ -71,6 +71,18 @@ class SamplingMetadata:
     num_candidates: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
+@dataclasses.dataclass
+class SampledToken:
+    """One draw of one row, on the host (what the scheduler appends)."""
+
+    token_id: int
+    logprob: float  # raw model log-probability of the token
+    rank: int  # 1-based rank under the raw distribution
+    # (token id, log-probability) of the `logprobs` most likely tokens, most likely first; empty
+    # for logprobs=0 (only the sampled token's), None when the request asked for none
+    top: list[tuple[int, float]] | None
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:

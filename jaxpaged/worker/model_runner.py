@@ -34,10 +34,12 @@ from jaxpaged.models.loader import flat_params
 from jaxpaged.models.lora import LoRA
 from jaxpaged.models.quantization import activation_modes
 from jaxpaged.pallas_kernels import StepLimits, copy_blocks
-from jaxpaged.sample.sampler import SamplingMetadata, prompt_logprobs, sample_jit
+from jaxpaged.sample.sampler import (SampledToken, SamplingMetadata, prompt_logprobs,
+                                     sample_jit)
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.worker.input_batch import InputBatch
+from jaxpaged.worker.multi_step import jit_multi_step, padding_steps, run_steps
 from jaxpaged.worker.params import placed_params
 from jaxpaged.worker.prompt_logprobs import (collect_prompt_logprobs, score, scored_tokens,
                                              wants_prompt_logprobs)
@@ -45,16 +47,6 @@ from jaxpaged.worker.prompt_logprobs import (collect_prompt_logprobs, score, sco
 logger = logging.getLogger(__name__)
 
 WARM_UP_TOKENS = 8  # `precompile` also runs each shape of at most this many tokens once
-
-
-@dataclasses.dataclass
-class SampledToken:
-    token_id: int
-    logprob: float  # raw model log-probability of the token
-    rank: int  # 1-based rank under the raw distribution
-    # (token id, log-probability) of the `logprobs` most likely tokens, most likely first; empty
-    # for logprobs=0 (only the sampled token's), None when the request asked for none
-    top: list[tuple[int, float]] | None
 
 
 def _uses_kernel(model: nnx.Module, flag: str) -> bool:
@@ -108,6 +100,11 @@ class ModelRunner:
             # Each row's greedy draw: plain greedy decoding then needs no sampler call.
             return logits, None if all_positions else sampler.greedy_draw(logits), kv_cache
 
+        # Decode steps run in a row in one call (`multi_step`; the scheduler's num_steps).
+        self.num_scheduler_steps = 1
+        self._multi_step = jit_multi_step(graphdef, treedef, None if self.mesh is None else (
+            [x.sharding for x in self.param_leaves], self.kv_cache.spec.sharding,
+            self.replicated))
         if self.mesh is None:
             self._step = jax.jit(model_step, donate_argnums=1, static_argnums=3)
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
@@ -282,8 +279,12 @@ class ModelRunner:
         counts = pow2s(1, next_power_of_2(max(self.max_num_seqs, spec_tokens)))
         draws = (sampler.precompile_inputs(self.config.vocab_size, counts, self.replicated)
                  if sampler_variants else [])
+        k = self.num_scheduler_steps  # decode steps of up to max_num_seqs rows, k in a row
         jobs = ([(self._step, (self.param_leaves, self.kv_cache.pool, b), (False,), {})
                  for _, b in batches]
+                + [(self._multi_step, (self.param_leaves, self.kv_cache.pool,
+                                       *padding_steps(self, T, k)), (), {})
+                   for T in sorted({T for T, _ in shapes}) if k > 1 and T <= self.max_num_seqs]
                 + [(sample_jit, (logits, md), (), dict(all_greedy=g, num_logprobs=0))
                    for logits, md, g in draws])
         bar = tqdm(total=len(jobs), desc="Compiling (or finding in the cache)",
@@ -340,6 +341,8 @@ class ModelRunner:
         self.input_batch.remove(seq.seq_id for seq in out.preempted)
         if out.blocks_to_copy:
             self.apply_copies(out.blocks_to_copy)
+        if out.num_steps > 1 and (sampled := run_steps(self, out)) is not None:
+            return sampled, {}
         spec = [out.spec_tokens(row) for row in range(len(out.seqs))]
         # Where each row's logits start among the rows the step returns: one per row, or for a
         # row verifying k proposals, k + 1 (its last token's and each proposal's).
