@@ -54,6 +54,9 @@ ENGINES = ["llama.cpp-f32", "llama.cpp-q8_0", "jaxpaged-float32", "jaxpaged-int8
            "jaxpaged-w8a8", "jaxpaged-q8_0", "jaxpaged-default", "jaxpaged-default-kv8"]
 SLOTS = 32
 TPOT_TOKENS = 128
+# The jaxpaged engines of the paired batch-1 TPOT (`--tpot-rounds`): name -> `LLM` options.
+TPOT_VARIANTS = {"jaxpaged-default": {}, "jaxpaged-num_scheduler_steps=1": dict(num_scheduler_steps=1),
+                 "jaxpaged-num_scheduler_steps=8": dict(num_scheduler_steps=8)}
 
 
 def requests_for(tokenizer, num_prompts: int, max_output: int) -> list[dict]:
@@ -183,37 +186,41 @@ def tpot_batch1(complete, request: dict, repeats: int = 3) -> float:
 
 
 def paired_tpot(bin_dir: Path, model: Path, requests: list[dict], threads: int,
-                rounds: int) -> dict:
-    """Batch-1 TPOT of llama-server and of jaxpaged's default engine on the same file, both
-    alive at once and measured in turns (`tpot_batch1` each, the order swapped every round),
-    so that the machine's drift over a run (20% here between runs minutes apart) falls on
-    both alike."""
+                rounds: int, variants: dict[str, dict]) -> dict:
+    """Batch-1 TPOT of llama-server and of jaxpaged engines on the same file (`variants`: name
+    -> `LLM` options over the defaults), all alive at once and measured in turns (`tpot_batch1`
+    each, the order rotated every round), so that the machine's drift over a run (20% here
+    between runs minutes apart) falls on all alike."""
     from jaxpaged import LLM, SamplingParams
 
     max_len = max(len(r["prompt_token_ids"]) + r["output_len"] for r in requests)
-    llm = LLM(str(model), max_model_len=max(max_len, 2048), max_num_seqs=SLOTS, precompile=True)
 
-    def jaxpaged(ids, n):
-        llm.generate([{"prompt_token_ids": ids}],
-                     SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                     use_tqdm=False)
+    def jaxpaged(options):
+        llm = LLM(str(model), max_model_len=max(max_len, 2048), max_num_seqs=SLOTS,
+                  precompile=True, **options)
+        return lambda ids, n: llm.generate(
+            [{"prompt_token_ids": ids}],
+            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
 
+    engines = [(name, jaxpaged(options)) for name, options in variants.items()]
     ctx = len(requests[0]["prompt_token_ids"]) + TPOT_TOKENS + 8
     server = LlamaServer(bin_dir, model, ctx, threads)
-    times = {"llama.cpp-q8_0": [], "jaxpaged-default": []}
+    engines.insert(0, ("llama.cpp-q8_0", server.complete))
+    times = {name: [] for name, _ in engines}
     try:
-        engines = [("llama.cpp-q8_0", server.complete), ("jaxpaged-default", jaxpaged)]
         for r in range(rounds):
-            for name, complete in engines[::1 if r % 2 == 0 else -1]:
+            for name, complete in engines[r % len(engines):] + engines[:r % len(engines)]:
                 times[name].append(tpot_batch1(complete, requests[0]))
     finally:
         server.close()
-    llama, ours = times["llama.cpp-q8_0"], times["jaxpaged-default"]
-    return {"rounds": rounds, "tpot_batch1_s": times,
+    llama = times["llama.cpp-q8_0"]
+    return {"rounds": rounds, "options": variants, "tpot_batch1_s": times,
             "median_s": {k: statistics.median(v) for k, v in times.items()},
-            "jaxpaged speed / llama.cpp's (llama.cpp's TPOT / jaxpaged's: > 1: jaxpaged faster)":
-                statistics.median(llama) / statistics.median(ours),
-            "rounds_jaxpaged_faster": sum(o < t for o, t in zip(ours, llama))}
+            "speed / llama.cpp's (llama.cpp's TPOT / the engine's: > 1: the engine faster)": {
+                name: statistics.median(llama) / statistics.median(times[name])
+                for name in variants},
+            "rounds the engine was faster than llama.cpp": {
+                name: sum(o < t for o, t in zip(times[name], llama)) for name in variants}}
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -276,7 +283,7 @@ def main(argv=None) -> dict:
               "results": results, "ratios": ratios}
     if args.tpot_rounds:
         report["tpot_paired"] = paired_tpot(bin_dir, files["q8_0"], requests, args.threads,
-                                            args.tpot_rounds)
+                                            args.tpot_rounds, TPOT_VARIANTS)
         print("paired batch-1 TPOT", json.dumps(report["tpot_paired"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

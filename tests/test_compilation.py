@@ -114,13 +114,16 @@ def test_compiled_step_copies_neither_the_pool_nor_any_weight(make_llm, tiny_mod
 
 def test_precompile_a_list_of_step_sizes(make_llm, tiny_model_dir):
     """`precompile=[n]` (a one-shot command's decode step) compiles the steps of n tokens'
-    bucket alone and no sampler variant; a size that is not an int >= 1 is a ValueError."""
+    bucket alone (and its multi-step decoding call) and no sampler variant; a size that is not
+    an int >= 1 is a ValueError."""
     llm = make_llm(tiny_model_dir, max_model_len=64, num_kv_blocks=64, max_num_seqs=4,
                    max_num_batched_tokens=32, precompile=[3])
     runner = llm.llm_engine.runner
     assert [T for T, _ in runner.step_shapes(32)].count(3) == 1  # 3 is its own bucket
     assert llm.stats()["num_compilations"] == 1
-    assert all(key[0] is runner._step for key in runner._compiled)  # no sampler variant
+    # no sampler variant
+    assert sorted(key[0] is runner._step for key in runner._compiled) == [False, True]
+    assert any(key[0] is runner._multi_step for key in runner._compiled)
     for bad in ([0], [1.5], [True], "1"):
         with pytest.raises(ValueError, match="precompile"):
             make_llm(tiny_model_dir, precompile=bad)

@@ -93,6 +93,7 @@ def test_a_tiny_model_built_with_changed_options(tiny_model_dir):
     them."""
     options = dict(max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64,
                    long_prefill_token_threshold=16, max_num_partial_prefills=2,
+                   num_scheduler_steps=2,
                    scheduling_policy="priority", block_size=8, num_kv_blocks=40,
                    enable_prefix_caching=False, kv_cache_dtype="int8", attention_backend="xla",
                    seed=7, precompile=False, quantization="int8", speculative_config=SPEC,

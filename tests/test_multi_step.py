@@ -112,6 +112,16 @@ def test_requests_that_sample_run_single_steps_beside_greedy_ones(make_llm, tiny
         assert ran
 
 
+def test_llm_decodes_8_steps_a_call_unless_told_and_serving_1(tiny_llm):
+    from jaxpaged.engine.arg_utils import EngineArgs
+
+    assert tiny_llm.llm_engine.scheduler_config.num_scheduler_steps == 8
+    assert tiny_llm.llm_engine.runner.num_scheduler_steps == 8
+    assert tiny_llm.engine_args.num_scheduler_steps is None  # as given (a manifest's)
+    config = EngineArgs(model=tiny_llm.llm_engine.model_dir).create_engine_config()
+    assert config.scheduler.num_scheduler_steps == 1  # the server's engine
+
+
 def test_bad_num_scheduler_steps_is_named():
     with pytest.raises(ValueError, match="num_scheduler_steps must be an int >= 1, got 0"):
         SchedulerConfig(max_model_len=64, num_scheduler_steps=0)

@@ -84,9 +84,10 @@ def tp_results(tp_models, orbax_model, tmp_path_factory) -> dict:
     runs = [[str(d), tp] for d in tp_models.values() for tp in (1, 2, 4, 8)]
     runs += [[str(tp_models["llama-kv2"]), tp, kv] for kv in ("int8", "fp8") for tp in (1, 4)]
     updates = [[str(tp_models["llama-kv2"]), 4], [str(tp_models["qwen2-kv2"]), 2]]
+    multi_step = [[str(tp_models["llama-kv2"]), 4], [str(tp_models["qwen2-kv2"]), 2]]
     return run_worker({"runs": runs + [[str(orbax_model), 4]],
                        "hlo": str(tp_models["llama-kv2"]), "shards": str(orbax_model),
-                       "updates": updates},
+                       "updates": updates, "multi_step": multi_step},
                       cache_dir=tmp_path_factory.mktemp("tp-compile-cache"))
 
 
@@ -96,6 +97,14 @@ def test_greedy_ids_equal_one_device(tp_results, model, tp):
     ids = tp_results["ids"]
     assert ids[f"{model}/{tp}"] == ids[f"{model}/1"]
     assert all(len(x) == 8 for x in ids[f"{model}/1"])
+
+
+@pytest.mark.parametrize("model, tp", [("llama-kv2", 4), ("qwen2-kv2", 2)])
+def test_multi_step_decoding_equals_one_device(tp_results, model, tp):
+    """Four decode steps a call (`num_scheduler_steps=4`), the greedy draws fed back on the
+    sharded devices: the ids of single steps on one device."""
+    assert tp_results["multi_step_ran"][f"{model}/{tp}"]
+    assert tp_results["ids"][f"{model}/{tp}/steps4"] == tp_results["ids"][f"{model}/1"]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])

@@ -3,11 +3,13 @@ start): `python tp_worker.py JSON_ARGS`; prints one JSON line of results.
 
 JSON_ARGS: {"runs": [[model dir, tp(, kv_cache_dtype)], ...], "backend": name,
 "hlo": dir or null, "shards": dir or null,
-"distributed": [coordinator, num_processes, process_id] or null, "updates": [[model dir, tp], ...]}.
+"distributed": [coordinator, num_processes, process_id] or null, "updates": [[model dir, tp], ...],
+"multi_step": [[model dir, tp], ...]}.
 Results: greedy ids and the pool arrays' shardings ("pools") by "<dir name>/<tp>" (with
 "/<kv_cache_dtype>" when the run names one); for "hlo", the compiled step's collectives; for
 "shards", where each parameter's shards lie; for "updates", the ids after new weights went into
-a TP engine and a one-device engine (`updates`).
+a TP engine and a one-device engine (`updates`); for "multi_step", the ids with
+`num_scheduler_steps=4` ("<dir name>/<tp>/steps4") and whether a multi-step call ran.
 """
 
 import json
@@ -30,9 +32,10 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-def llm(model, tp, kv_cache_dtype="auto"):
+def llm(model, tp, kv_cache_dtype="auto", **options):
     kw = dict(tensor_parallel_size=tp, max_model_len=256, num_kv_blocks=64, precompile=False,
-              attention_backend=args.get("backend", "auto"), kv_cache_dtype=kv_cache_dtype)
+              attention_backend=args.get("backend", "auto"), kv_cache_dtype=kv_cache_dtype,
+              **options)
     if args.get("distributed"):
         address, num, pid = args["distributed"]
         kw.update(coordinator_address=address, num_processes=num, process_id=pid)
@@ -122,6 +125,13 @@ for model, tp, *kv_cache_dtype in args["runs"]:
             "qkv": str(params["layers"][0]["self_attn"]["qkv_proj"]["kernel"].sharding.spec)}
     if args.get("shards") == model:
         out["shards"] = shards(engine)
+for model, tp in args.get("multi_step", []):  # 4 decode steps a call (`num_scheduler_steps`)
+    engine_llm = llm(model, tp, num_scheduler_steps=4)
+    ids = [o.outputs[0].token_ids for o in engine_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    runner = engine_llm.llm_engine.runner
+    out["ids"][f"{os.path.basename(model)}/{tp}/steps4"] = ids
+    out.setdefault("multi_step_ran", {})[f"{os.path.basename(model)}/{tp}"] = any(
+        key[0] is runner._multi_step for key in runner._compiled)
 for model, tp in args.get("updates", []):
     out.setdefault("updates", {})[f"{os.path.basename(model)}/{tp}"] = updates(model, tp)
 print("RESULT " + json.dumps(out), flush=True)

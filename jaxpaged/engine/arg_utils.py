@@ -100,10 +100,12 @@ class EngineArgs:
         "fcfs", "scheduler.scheduling_policy", "fcfs: arrival order; priority: a request's "
         "priority (lower first, ties by arrival), a waiting request preempting lower ones",
         choices=REQUEST_QUEUES.keys())  # a live view: policies registered later count
-    num_scheduler_steps: int = _option(
-        1, "scheduler.num_scheduler_steps", "decode steps run in a row with their greedy draws "
-        "fed back on the device, while every running sequence decodes plainly greedily and "
-        "nothing waits: the host's work once per that many tokens", min=1)
+    num_scheduler_steps: int | None = _option(
+        None, "scheduler.num_scheduler_steps", "decode steps run in one call, each step's "
+        "greedy draws fed to the next on the device, while every running sequence decodes "
+        "plainly greedily and nothing waits; default 8 in LLM (offline: the requests are all "
+        "known), 1 in jaxpaged serve and EngineArgs (a new request would wait for the call)",
+        min=1)
     block_size: int = _option(16, "cache.block_size", "tokens per KV block", min=1)
     num_kv_blocks: int | None = _option(
         None, "cache.num_kv_blocks", "blocks in the KV pool; default: as many as "
@@ -288,6 +290,8 @@ class EngineArgs:
         if model["generation_config"] is not None:
             model["generation_config"] = os.fspath(model["generation_config"])
         scheduler = sections["scheduler"]
+        if scheduler["num_scheduler_steps"] is None:  # `LLM` sets its own default first
+            scheduler["num_scheduler_steps"] = 1
         if scheduler["max_model_len"] is None:
             scheduler["max_model_len"] = load_config(model_dir).max_position_embeddings
         quantization = sections["quantization"]

@@ -253,6 +253,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     engine_args = _engine_args(args)
+    if engine_args.num_scheduler_steps is None:  # a request arriving would wait for the call
+        engine_args.num_scheduler_steps = 1
     if args.allow_runtime_lora_updating and not engine_args.enable_lora:
         raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
     if engine_args.enable_lora and engine_args.num_processes > 1:

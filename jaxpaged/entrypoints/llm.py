@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import os
@@ -25,6 +26,10 @@ from jaxpaged.distributed.parallel import init_distributed
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, generation_defaults
 
 PromptType = str | dict
+# `num_scheduler_steps` when not given: decode steps a call while the running requests all
+# decode plainly greedily (the host's work per token divided by as many; README, "Quantized
+# serving").
+OFFLINE_SCHEDULER_STEPS = 8
 
 
 def _token_rows(rows, field: str, repeat: int | None = None) -> list:
@@ -76,6 +81,9 @@ class LLM:
         if engine_args.coordinator_address is not None:
             init_distributed(engine_args.coordinator_address, engine_args.num_processes,
                              engine_args.process_id)
+        if engine_args.num_scheduler_steps is None:  # offline: every request is known
+            engine_args = dataclasses.replace(engine_args,
+                                              num_scheduler_steps=OFFLINE_SCHEDULER_STEPS)
         config = engine_args.create_engine_config()
         self.llm_engine = LLMEngine(config)
         self._dense_forward = None  # jitted on first use

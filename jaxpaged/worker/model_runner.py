@@ -39,7 +39,7 @@ from jaxpaged.sample.sampler import (SampledToken, SamplingMetadata, prompt_logp
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.worker.input_batch import InputBatch
-from jaxpaged.worker.multi_step import jit_multi_step, padding_steps, run_steps
+from jaxpaged.worker.multi_step import jit_multi_step, multi_step_jobs, run_steps
 from jaxpaged.worker.params import placed_params
 from jaxpaged.worker.prompt_logprobs import (collect_prompt_logprobs, score, scored_tokens,
                                              wants_prompt_logprobs)
@@ -263,7 +263,8 @@ class ModelRunner:
                    sampler_variants: bool = True, spec_tokens: int = 0) -> None:
         """Compiles the model step ahead of time for each (T, decode_only) of `step_shapes`,
         and (with `sampler_variants`) the sampler's default variants (`sampler.precompile`), so
-        that serving compiles nothing new. With `spec_tokens`, each shape of 2 to that many
+        that serving compiles nothing new (and multi-step decoding's, `multi_step_jobs`). With
+        `spec_tokens`, each shape of 2 to that many
         tokens also gets the variant that returns logits at every token (`logits_indices`:
         steps that verify speculative tokens), and the sampler variants cover as many draws.
         A shape of at most `WARM_UP_TOKENS` tokens is also run once on its padding-only input
@@ -279,12 +280,8 @@ class ModelRunner:
         counts = pow2s(1, next_power_of_2(max(self.max_num_seqs, spec_tokens)))
         draws = (sampler.precompile_inputs(self.config.vocab_size, counts, self.replicated)
                  if sampler_variants else [])
-        k = self.num_scheduler_steps  # decode steps of up to max_num_seqs rows, k in a row
         jobs = ([(self._step, (self.param_leaves, self.kv_cache.pool, b), (False,), {})
-                 for _, b in batches]
-                + [(self._multi_step, (self.param_leaves, self.kv_cache.pool,
-                                       *padding_steps(self, T, k)), (), {})
-                   for T in sorted({T for T, _ in shapes}) if k > 1 and T <= self.max_num_seqs]
+                 for _, b in batches] + multi_step_jobs(self, {T for T, _ in shapes})
                 + [(sample_jit, (logits, md), (), dict(all_greedy=g, num_logprobs=0))
                    for logits, md, g in draws])
         bar = tqdm(total=len(jobs), desc="Compiling (or finding in the cache)",

@@ -118,11 +118,19 @@ def prepare_steps(runner, seqs, k: int) -> tuple[np.ndarray, ModelInput] | None:
     return first_ids, jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
-def padding_steps(runner, T: int, k: int) -> tuple[np.ndarray, ModelInput]:
-    """`prepare_steps`' arrays for k padding-only decode steps of T tokens (`precompile`)."""
-    decode_only = True in runner.backend.variants(T, runner.limits)
-    batch = runner._padding_batch(T, decode_only)
-    return np.zeros((T,), np.int32), jax.tree.map(lambda *xs: np.stack(xs), *[batch] * k)
+def multi_step_jobs(runner, Ts) -> list[tuple]:
+    """`ModelRunner.precompile`'s jobs (jitted, args, static args, static kwargs) for the
+    multi-step calls of the step sizes `Ts` that decodes of at most `max_num_seqs` rows take,
+    each on k padding-only steps; none when `runner.num_scheduler_steps` is 1."""
+    k, jobs = runner.num_scheduler_steps, []
+    for T in sorted(Ts):
+        if k == 1 or T > runner.step_tokens(runner.max_num_seqs):
+            continue
+        batch = runner._padding_batch(T, True in runner.backend.variants(T, runner.limits))
+        steps = jax.tree.map(lambda *xs: np.stack(xs), *[batch] * k)
+        jobs.append((runner._multi_step, (runner.param_leaves, runner.kv_cache.pool,
+                                          np.zeros((T,), np.int32), steps), (), {}))
+    return jobs
 
 
 def run_steps(runner, out) -> list[list] | None:
