@@ -23,7 +23,9 @@ requests in flight for llama-server, all 64 given to `LLM.generate` at once (32 
 time). Output tokens/s over the whole set. Batch-1 TPOT: one request alone, (time for 129
 tokens - time for 1 token) / 128, median of 3, measured the same way on both engines (HTTP
 round trips for llama-server, `LLM.generate` for jaxpaged). jaxpaged compiles its step shapes
-before the timed pass (`precompile=True`); llama-server's warm-up runs at its start.
+before the timed pass (`precompile=True`); llama-server's warm-up runs at its start. `LLM`
+decodes 8 steps a call by default (`num_scheduler_steps`), so plain greedy decoding (this
+workload) reads its draws back once per 8 tokens; `--tpot-rounds` also times it with 1.
 
 Writes bench/results/quantized.json (ratios against llama.cpp's Q8_0 and against jaxpaged's
 float32) and prints a table.
@@ -55,8 +57,9 @@ ENGINES = ["llama.cpp-f32", "llama.cpp-q8_0", "jaxpaged-float32", "jaxpaged-int8
 SLOTS = 32
 TPOT_TOKENS = 128
 # The jaxpaged engines of the paired batch-1 TPOT (`--tpot-rounds`): name -> `LLM` options.
-TPOT_VARIANTS = {"jaxpaged-default": {}, "jaxpaged-num_scheduler_steps=1": dict(num_scheduler_steps=1),
-                 "jaxpaged-num_scheduler_steps=8": dict(num_scheduler_steps=8)}
+# The default decodes 8 steps a call (`num_scheduler_steps`); 1 is each step its own call.
+TPOT_VARIANTS = {"jaxpaged-default": {},
+                 "jaxpaged-num_scheduler_steps=1": dict(num_scheduler_steps=1)}
 
 
 def requests_for(tokenizer, num_prompts: int, max_output: int) -> list[dict]:

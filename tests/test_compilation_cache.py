@@ -3,8 +3,8 @@ compiles nothing, and a changed model shape, dtype or damaged file never reuses 
 
 XLA compiles are counted with JAX's own event `/jax/core/compile/backend_compile_duration`,
 recorded with the function's name for every executable JAX compiles; an executable loaded by
-jaxpaged's cache records none. The engine's programs are the model step (`model_step`) and the
-sampler (`sample`); the small helpers around them (the weights' layout, the pool's zeros, row
+jaxpaged's cache records none. The engine's programs are the model step (`model_step`), the
+multi-step decoding call (`multi_step`) and the sampler (`sample`); the small helpers around them (the weights' layout, the pool's zeros, row
 gathers: a few tenths of a second in all) compile in every process (JAX's own persistent cache
 stays off: `jaxpaged/compilation_cache.py` says why).
 """
@@ -37,7 +37,8 @@ outs = llm.generate(["Hello, my name is", "The capital of France is a city"],
 cache = llm.llm_engine.runner.executables
 obtained = [name for event, name in events if event == "/jax/core/compile/backend_compile_duration"]
 print(json.dumps(dict(loaded=cache.num_loaded,
-                      engine_programs=sum(n in ("jit(model_step)", "jit(sample)") for n in obtained),
+                      engine_programs=sum(n in ("jit(model_step)", "jit(sample)", "jit(multi_step)")
+                                          for n in obtained),
                       compiled=cache.num_compiled, on_disk=cache.num_on_disk,
                       ids=[o.outputs[0].token_ids for o in outs])))
 """

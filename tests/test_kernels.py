@@ -250,11 +250,15 @@ def test_engine_greedy_ids_equal_between_pallas_interpret_and_xla(make_llm, tiny
     from jaxpaged import SamplingParams
 
     prompts = ["Hi", "a prompt of a few more words", "one two three four five six seven eight"]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # 10 tokens: the first from the prompt, 8 in one multi-step call (`num_scheduler_steps`,
+    # the decode kernel in a scan), the last alone.
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = {}
     for backend in ("xla", "pallas-interpret"):
         llm = make_llm(tiny_model_dir, attention_backend=backend, max_model_len=64,
                        block_size=8)
         outputs[backend] = [o.outputs[0].token_ids
                             for o in llm.generate(prompts, params, use_tqdm=False)]
+        runner = llm.llm_engine.runner
+        assert any(key[0] is runner._multi_step for key in runner._compiled)
     assert outputs["pallas-interpret"] == outputs["xla"]

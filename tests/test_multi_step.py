@@ -49,7 +49,9 @@ def _assert_same(outs, ref):
     # 7 blocks of 16 tokens for 6 sequences of up to 82: lookahead that does not fit, and a
     # preemption (asserted below)
     dict(max_num_seqs=8, num_kv_blocks=7, max_model_len=96),
-], ids=["batch", "queue-and-chunks", "preemption"])
+    # an 8-bit pool (codes and scales carried through the scan) and W8A8 weights
+    dict(max_num_seqs=8, kv_cache_dtype="int8", quantization="w8a8"),
+], ids=["batch", "queue-and-chunks", "preemption", "8-bit"])
 def test_multi_step_gives_the_outputs_of_single_steps(make_llm, tiny_model_dir, options):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     ref, ran = _generate(make_llm, tiny_model_dir, params, 1, **options)

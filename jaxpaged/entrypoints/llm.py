@@ -27,8 +27,8 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, generati
 
 PromptType = str | dict
 # `num_scheduler_steps` when not given: decode steps a call while the running requests all
-# decode plainly greedily (the host's work per token divided by as many; README, "Quantized
-# serving").
+# decode plainly greedily (the host's work per token divided by as many; README, "Several
+# decode steps a call").
 OFFLINE_SCHEDULER_STEPS = 8
 
 
