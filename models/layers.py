@@ -199,12 +199,13 @@ ACTIVATIONS = {  # HF `hidden_act` / `hidden_activation` names
 
 class GatedMLP(nnx.Module):
     """down(act(gate(x)) * up(x)), gate and up as one stacked matrix (`LlamaMLP`,
-    `Gemma2MLP`); `*_lora`: adapter slots, as `Attention`'s."""
+    `Gemma2MLP`), F = `intermediate_size` (default the config's); `*_lora`: adapter slots, as
+    `Attention`'s."""
 
     gate_up_proj_lora = down_proj_lora = None
 
-    def __init__(self, config, *, dtype, rngs: nnx.Rngs):
-        D, F = config.hidden_size, config.intermediate_size
+    def __init__(self, config, *, dtype, rngs: nnx.Rngs, intermediate_size: int | None = None):
+        D, F = config.hidden_size, intermediate_size or config.intermediate_size
         # HF's gate_proj, then up_proj, by shard (module doc)
         self.gate_up_proj = linear(D, 2 * F, dtype, rngs, partition=COLUMN)
         self.down_proj = linear(F, D, dtype, rngs, partition=ROW)

@@ -1,0 +1,176 @@
+"""Mixture-of-Experts MLPs: top-k routing as each family defines it, and the routed experts run
+dropless (every token reaches each of its k experts, whatever the batch holds) by one of three
+paths that give the same results.
+
+Routing (`Routing`, `route`) follows the Hugging Face routers:
+  - softmax over all experts, then the top k, renormalized to sum to 1 or not
+    (`MixtralTopKRouter`: always; `Qwen2MoeTopKRouter`, Qwen3-MoE and `OlmoeTopKRouter`: when
+    the config's `norm_topk_prob`);
+  - or the top k of the logits, then a softmax over those k (`GraniteMoeTopKRouter`).
+The router's logits and probabilities are float32, as HF computes them.
+
+The experts (`experts_forward`), each `down(act(gate(x)) * up(x))`, with `gate_up: f[E, D, 2F]`
+(gate then up on the output axis) and `down: f[E, F, D]`:
+  - "dense": every expert on every token, weighted by a [T, E] matrix that is 0 off each
+    token's k experts. E times the work; the reference in tests.
+  - "gathered": each token's k experts' matrices gathered per token ([T, k, D, 2F]), for steps
+    of a few tokens (decode), which read only the experts they use.
+  - "grouped": the T * k (token, expert) pairs sorted by expert and laid out in tiles of
+    `GROUP_TILE` rows, each tile one expert's (MegaBlocks' block-sparse layout, Gale et al.
+    2022, section 5: no capacity factor, no dropped token; at most one partly filled tile per
+    expert), then one batched matmul over the tiles with each tile's expert's matrices.
+`experts_forward` picks by the step's static size (`GATHER_MAX_PAIRS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpaged.models.layers import ACTIVATIONS, GatedMLP, linear
+
+# Steps whose (token, expert) pairs number at most this gather each pair's expert matrices
+# (decode steps of a few sequences); larger ones sort the pairs into per-expert tiles.
+GATHER_MAX_PAIRS = 16
+GROUP_TILE = 32  # rows of one expert's tile on the grouped path
+PATHS = ("dense", "gathered", "grouped")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """A family's top-k router (see the module docstring)."""
+
+    top_k: int  # experts per token
+    softmax_first: bool = True  # softmax over all experts, then top-k (False: top-k, softmax)
+    renormalize: bool = True  # the k softmax-first weights divided by their sum
+
+
+def route(logits: jax.Array, routing: Routing) -> tuple[jax.Array, jax.Array]:
+    """(f32[T, k] weights, i32[T, k] expert ids, most likely first) of router logits [T, E].
+    Ties go to the lower expert id (`lax.top_k`, as `torch.topk` on CPU)."""
+    logits = logits.astype(jnp.float32)
+    if not routing.softmax_first:
+        top, ids = jax.lax.top_k(logits, routing.top_k)
+        return jax.nn.softmax(top, axis=-1), ids
+    top, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), routing.top_k)
+    if routing.renormalize:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top, ids
+
+
+def _expert_mlp(x, gate_up, down, act):
+    """`down(act(gate) * up)` for rows x: f[..., D] and matrices batched alike."""
+    h = jnp.einsum("...d,...df->...f", x, gate_up)
+    gate, up = jnp.split(h, 2, axis=-1)
+    return jnp.einsum("...f,...fd->...d", act(gate) * up, down)
+
+
+def experts_dense(x, weights, ids, gate_up, down, act):
+    """Every expert on every token: f[T, D]."""
+    E = gate_up.shape[0]
+    dense = jnp.zeros((x.shape[0], E), jnp.float32).at[
+        jnp.arange(x.shape[0])[:, None], ids].add(weights)
+    h = jnp.einsum("td,edf->etf", x, gate_up)
+    gate, up = jnp.split(h, 2, axis=-1)
+    out = jnp.einsum("etf,efd->etd", act(gate) * up, down)
+    return jnp.einsum("etd,te->td", out, dense.astype(out.dtype))
+
+
+def experts_gathered(x, weights, ids, gate_up, down, act):
+    """Each token's k experts' matrices gathered: f[T, D]."""
+    out = _expert_mlp(x[:, None, :], gate_up[ids], down[ids], act)  # [T, k, D]
+    return jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype))
+
+
+def experts_grouped(x, weights, ids, gate_up, down, act, tile: int = GROUP_TILE):
+    """The (token, expert) pairs sorted by expert into tiles of `tile` rows: f[T, D]."""
+    T, D = x.shape
+    E, k = gate_up.shape[0], ids.shape[1]
+    n = T * k
+    num_tiles = -(-n // tile) + E  # each expert leaves less than one tile unfilled
+    flat = ids.reshape(n)
+    order = jnp.argsort(flat, stable=True)  # pairs by expert, each expert's by token
+    expert = flat[order]
+    counts = jnp.bincount(flat, length=E)
+    tiles = -(-counts // tile)  # tiles of each expert
+    first_row = (jnp.cumsum(tiles) - tiles) * tile
+    first_pair = jnp.cumsum(counts) - counts
+    row = first_row[expert] + jnp.arange(n) - first_pair[expert]  # each sorted pair's row
+    token = order // k
+    rows = jnp.zeros((num_tiles * tile, D), x.dtype).at[row].set(x[token])
+    # Tile t belongs to the expert whose tiles cover it; tiles past the last hold zeros.
+    tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles), jnp.arange(num_tiles),
+                                               side="right"), E - 1)
+    out = _expert_mlp(rows.reshape(num_tiles, tile, D), gate_up[tile_expert][:, None],
+                      down[tile_expert][:, None], act).reshape(num_tiles * tile, D)
+    pair_weight = weights.reshape(n)[order].astype(out.dtype)
+    return jnp.zeros((T, D), out.dtype).at[token].add(out[row] * pair_weight[:, None])
+
+
+def choose_path(num_tokens: int, top_k: int) -> str:
+    """The path `experts_forward` takes for a step of `num_tokens` tokens (static)."""
+    return "gathered" if num_tokens * top_k <= GATHER_MAX_PAIRS else "grouped"
+
+
+def experts_forward(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
+                    down: jax.Array, act, path: str | None = None) -> jax.Array:
+    """The routed experts' weighted sum for each token.
+
+    Args:
+      x: f[T, D] tokens.
+      weights, ids: f32[T, k], i32[T, k] from `route`.
+      gate_up: f[E, D, 2F] each expert's gate then up projection; down: f[E, F, D].
+      act: the activation (`models.layers.ACTIVATIONS`).
+      path: one of `PATHS`; None: `choose_path`.
+
+    Returns:
+      f[T, D] in the matmuls' dtype.
+
+    Raises:
+      ValueError: an unknown path.
+    """
+    path = path or choose_path(x.shape[0], ids.shape[1])
+    if path not in PATHS:
+        raise ValueError(f"MoE path {path!r} is not one of {PATHS}")
+    fn = {"dense": experts_dense, "gathered": experts_gathered, "grouped": experts_grouped}
+    return fn[path](x, weights, ids, gate_up, down, act)
+
+
+class SparseMoeBlock(nnx.Module):
+    """A layer's MoE MLP: the router (`router.kernel: f[D, E]`, a bias where the family has
+    one), the E routed experts stacked (`experts_gate_up: f[E, D, 2F]`, gate then up;
+    `experts_down: f[E, F, D]`), and a shared expert every token takes where the config has one
+    (`Qwen2MoeSparseMoeBlock.shared_expert`, scaled by `sigmoid(shared_expert_gate(x))`).
+
+    `path`: forces one of `PATHS` (tests, benchmarks); None: `choose_path` by step size.
+    """
+
+    path: str | None = None
+
+    def __init__(self, config, *, dtype, rngs: nnx.Rngs, routing: Routing, num_experts: int,
+                 intermediate_size: int, shared_intermediate_size: int = 0,
+                 router_bias: bool = False):
+        D, E, F = config.hidden_size, num_experts, intermediate_size
+        self.routing = routing
+        self.router = linear(D, E, dtype, rngs, bias=router_bias)
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        self.experts_gate_up = nnx.Param(init(rngs.params(), (E, D, 2 * F), dtype))
+        self.experts_down = nnx.Param(init(rngs.params(), (E, F, D), dtype))
+        self.act = ACTIVATIONS[config.hidden_act]
+        shared = shared_intermediate_size > 0
+        self.shared_expert = (GatedMLP(config, dtype=dtype, rngs=rngs,
+                                       intermediate_size=shared_intermediate_size)
+                              if shared else None)
+        self.shared_expert_gate = linear(D, 1, dtype, rngs) if shared else None
+
+    def __call__(self, x: jax.Array, slots: jax.Array | None = None) -> jax.Array:
+        """x: f[T, D] -> f[T, D]; `slots` (LoRA) are not taken by MoE layers."""
+        weights, ids = route(self.router(x), self.routing)
+        out = experts_forward(x, weights, ids, self.experts_gate_up[...],
+                              self.experts_down[...], self.act, self.path)
+        if self.shared_expert is not None:
+            out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.astype(x.dtype)

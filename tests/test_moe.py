@@ -1,0 +1,146 @@
+"""Mixture-of-Experts routing and expert paths (`models.moe`) against the Hugging Face blocks
+they follow: for each family's router (Mixtral, Qwen2-MoE / Qwen3-MoE with and without
+`norm_topk_prob`, OLMoE, Granite MoE) the same experts picked for every token and the routed
+experts' output within 1e-5 (float32) on the dense, gathered and grouped paths, at step sizes
+on both sides of `GATHER_MAX_PAIRS` and with experts no token picks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jaxpaged.models import moe
+from jaxpaged.models.layers import ACTIVATIONS
+
+BASE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=64, hidden_act="silu")
+FAMILIES = {  # name -> (config class, block attribute path, config overrides, our Routing)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "block_sparse_moe",
+                dict(num_local_experts=8, num_experts_per_tok=2), moe.Routing(2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "mlp",
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                       shared_expert_intermediate_size=40, norm_topk_prob=False),
+                  moe.Routing(2, renormalize=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "mlp",
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                       norm_topk_prob=True), moe.Routing(2)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", "mlp",
+              dict(num_experts=8, num_experts_per_tok=2), moe.Routing(2, renormalize=False)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", "block_sparse_moe",
+                   dict(num_local_experts=8, num_experts_per_tok=2),
+                   moe.Routing(2, softmax_first=False)),
+}
+
+
+def hf_block(name: str):
+    """(HF's MoE block of a random one-layer model of the family, our Routing)."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, attr, overrides, routing = FAMILIES[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
+        **{**BASE, **overrides}))
+    layer = model.model.layers[0]
+    block = getattr(layer, attr, None) or layer.mlp  # transformers 5 names Mixtral's "mlp"
+    with torch.no_grad():  # spread the router's logits: distinct top-k choices
+        router = block.router if hasattr(block, "router") else block.gate
+        router.weight.normal_(0, 0.5)
+    return block, routing
+
+
+def hf_routed(block, x):
+    """(expert ids i64[T, k], routed experts' output f32[T, D]) of HF's block on x [T, D]."""
+    import torch
+
+    router = block.router if hasattr(block, "router") else block.gate
+    with torch.no_grad():
+        xt = torch.from_numpy(x)
+        _, weights, ids = router(xt)
+        return ids.numpy(), block.experts(xt, ids, weights).numpy()
+
+
+def ours(block, x, routing, path):
+    """(expert ids, output) of `moe.route` and `moe.experts_forward` on HF's weights."""
+    router = block.router if hasattr(block, "router") else block.gate
+    w = router.weight.detach().numpy()  # [E, D]
+    gate_up = np.swapaxes(block.experts.gate_up_proj.detach().numpy(), 1, 2)  # [E, D, 2F]
+    down = np.swapaxes(block.experts.down_proj.detach().numpy(), 1, 2)  # [E, F, D]
+    weights, ids = moe.route(jnp.asarray(x) @ jnp.asarray(w).T, routing)
+    out = moe.experts_forward(jnp.asarray(x), weights, ids, jnp.asarray(gate_up),
+                              jnp.asarray(down), ACTIVATIONS["silu"], path=path)
+    return np.asarray(ids), np.asarray(out)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("num_tokens", [1, 5, 70])
+def test_routing_and_every_path_equal_the_hf_block(name, num_tokens):
+    block, routing = hf_block(name)
+    x = np.random.default_rng(num_tokens).standard_normal((num_tokens, 32)).astype(np.float32)
+    ref_ids, ref = hf_routed(block, x)
+    for path in moe.PATHS:
+        ids, out = ours(block, x, routing, path)
+        np.testing.assert_array_equal(ids, ref_ids)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5, err_msg=path)
+
+
+def test_grouped_path_with_unused_experts_and_one_expert_for_all():
+    """Pairs all on one expert (tiles of that expert only; the rest empty), and on every expert
+    but one: the grouped path equals the dense one."""
+    rng = np.random.default_rng(0)
+    E, D, F, T, k = 6, 16, 24, 45, 2
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    gate_up = jnp.asarray(rng.standard_normal((E, D, 2 * F)), jnp.float32)
+    down = jnp.asarray(rng.standard_normal((E, F, D)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(0.1, 1, (T, k)), jnp.float32)
+    act = ACTIVATIONS["silu"]
+    for ids in (np.full((T, k), 3), rng.integers(0, E - 1, (T, k))):
+        ids = jnp.asarray(ids, jnp.int32)
+        ref = moe.experts_dense(x, weights, ids, gate_up, down, act)
+        for tile in (1, 4, 32, 128):
+            out = moe.experts_grouped(x, weights, ids, gate_up, down, act, tile=tile)
+            np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_the_path_is_chosen_by_step_size_and_a_bad_one_is_named():
+    assert moe.choose_path(1, 2) == "gathered"
+    assert moe.choose_path(moe.GATHER_MAX_PAIRS // 2 + 1, 2) == "grouped"
+    x = jnp.zeros((2, 4))
+    with pytest.raises(ValueError, match="MoE path 'sparse'"):
+        moe.experts_forward(x, jnp.ones((2, 1)), jnp.zeros((2, 1), jnp.int32),
+                            jnp.zeros((3, 4, 8)), jnp.zeros((3, 4, 4)), jax.nn.silu, "sparse")
+
+
+@pytest.mark.parametrize("num_tokens", [3, 40])
+def test_the_block_with_its_shared_expert_equals_qwen2_moe(num_tokens):
+    """`SparseMoeBlock` with HF's weights: routed experts plus the sigmoid-gated shared expert
+    (`Qwen2MoeSparseMoeBlock.forward`)."""
+    import types
+
+    import torch
+    from flax import nnx
+
+    block, routing = hf_block("qwen2_moe")
+    config = types.SimpleNamespace(hidden_size=32, intermediate_size=48, hidden_act="silu",
+                                   tensor_parallel_size=1)  # what the block reads of a config
+    with nnx.use_eager_sharding(False):  # as the models build (`LlamaForCausalLM`)
+        ours_block = moe.SparseMoeBlock(config, dtype=jnp.float32, rngs=nnx.Rngs(0),
+                                        routing=routing, num_experts=8, intermediate_size=48,
+                                        shared_intermediate_size=40)
+    t = lambda w: jnp.asarray(w.detach().numpy())
+    shared = block.shared_expert
+    ours_block.router.kernel[...] = t(block.gate.weight).T
+    ours_block.experts_gate_up[...] = jnp.swapaxes(t(block.experts.gate_up_proj), 1, 2)
+    ours_block.experts_down[...] = jnp.swapaxes(t(block.experts.down_proj), 1, 2)
+    ours_block.shared_expert.gate_up_proj.kernel[...] = jnp.concatenate(
+        [t(shared.gate_proj.weight).T, t(shared.up_proj.weight).T], axis=1)
+    ours_block.shared_expert.down_proj.kernel[...] = t(shared.down_proj.weight).T
+    ours_block.shared_expert_gate.kernel[...] = t(block.shared_expert_gate.weight).T
+    x = np.random.default_rng(1).standard_normal((num_tokens, 32)).astype(np.float32)
+    with torch.no_grad():
+        ref = block(torch.from_numpy(x)[None]).numpy()[0]
+    np.testing.assert_allclose(np.asarray(ours_block(jnp.asarray(x))), ref, rtol=1e-5,
+                               atol=1e-5)
