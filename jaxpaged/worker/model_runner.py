@@ -7,7 +7,8 @@ shapes depend on T (and, for the Pallas backends, whether it only decodes) alone
 shapes under given limits are few and `precompile` compiles them all. One jitted step
 `(params, kv_cache, ModelInput) -> (logits, greedy draws, kv_cache)` runs with the pool
 donated, then the jitted sampler, unless every draw is a plain greedy one, which the step
-made itself; only the sampled token ids come back to the host.
+made itself; only the sampled token ids come back to the host. A scheduled multi-step decode
+(`SchedulerOutput.num_steps` k > 1) runs k steps in one call instead (`multi_step`).
 """
 
 from __future__ import annotations
