@@ -224,11 +224,11 @@ class DecoderLayer(nnx.Module):
     `sandwich_norms` the attention's and the MLP's outputs are normalized too before their
     residual adds (`Gemma2DecoderLayer`: `post_attention_layernorm` then normalizes the
     attention output, and `pre_feedforward_layernorm` / `post_feedforward_layernorm` wrap the
-    MLP)."""
+    MLP). `mlp`: the layer's MLP where the family chooses one per layer (Mixture-of-Experts)."""
 
     def __init__(self, config, *, dtype, backend: AttentionBackend, spec: AttentionSpec,
                  rngs: nnx.Rngs, qk_norm: bool = False, unit_offset: bool = False,
-                 sandwich_norms: bool = False):
+                 sandwich_norms: bool = False, mlp: nnx.Module | None = None):
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
                                unit_offset=unit_offset)
         self.input_layernorm = norm()
@@ -237,7 +237,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm() if sandwich_norms else None
         self.post_feedforward_layernorm = norm() if sandwich_norms else None
-        self.mlp = GatedMLP(config, dtype=dtype, rngs=rngs)
+        # The layer's MLP: `mlp(x, lora_slots) -> f[T, D]` (a family's per-layer choice, as
+        # `models.moe.SparseMoeBlock`), by default the gated one.
+        self.mlp = mlp if mlp is not None else GatedMLP(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, kv_cache, layer: int, batch: ModelInput):
         attn, kv_cache, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache,

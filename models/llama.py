@@ -96,13 +96,20 @@ class LlamaForCausalLM(nnx.Module):
         self.layers = nnx.List([
             DecoderLayer(config, dtype=dtype, backend=self.backend,
                          spec=config.attention_spec(i), rngs=rngs, qk_norm=self.QK_NORM,
-                         unit_offset=self.UNIT_OFFSET_NORMS, sandwich_norms=self.SANDWICH_NORMS)
+                         unit_offset=self.UNIT_OFFSET_NORMS, sandwich_norms=self.SANDWICH_NORMS,
+                         mlp=self.make_mlp(config, i, dtype, rngs))
             for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
                             unit_offset=self.UNIT_OFFSET_NORMS)
         self.lm_head = (None if config.tie_word_embeddings
                         else linear(config.hidden_size, config.vocab_size, dtype, rngs,
                                     partition=COLUMN))
+
+    def make_mlp(self, config: LlamaConfig, layer: int, dtype, rngs: nnx.Rngs
+                 ) -> nnx.Module | None:
+        """Layer `layer`'s MLP, or None for the gated one (`models.layers.GatedMLP`); a
+        family whose layers differ (Mixture-of-Experts) overrides it."""
+        return None
 
     def __call__(self, kv_cache: jax.Array, batch: ModelInput,
                  all_positions: bool = False) -> tuple[jax.Array, jax.Array]:

@@ -218,7 +218,7 @@ def match_checkpoint(model_cls: type[nnx.Module], config, plan: LoadPlan,
             else:
                 (key, transpose), offset, want = got[piece.part], 0, piece.shape
             if transpose:
-                want = want[::-1]
+                want = _swap_last(want)
             if tuple(shapes[key]) != tuple(want):
                 named = f" (part {piece.hf_name or key})" if piece.part is not None else ""
                 raise ValueError(f"parameter {path}{named}: checkpoint shape "
@@ -243,8 +243,66 @@ def _read(reader, source: Source, piece: Piece, index: tuple) -> np.ndarray:
     start, stop, _ = index[-1].indices(piece.shape[-1])
     index[-1] = slice(source.offset + start, source.offset + stop)
     if source.transpose:
-        return np.asarray(reader[tuple(index[::-1])]).T
+        return np.swapaxes(np.asarray(reader[_swap_last(tuple(index))]), -1, -2)
     return np.asarray(reader[tuple(index)])
+
+
+def _swap_last(items: tuple) -> tuple:
+    """A shape or an index with its last two axes swapped: a transposed matrix, or each of a
+    stack of experts' matrices transposed."""
+    return (*items[:-2], items[-1], items[-2])
+
+
+class StackedReader:
+    """One tensor `[E, ...]` made of E checkpoint tensors of one shape (one per expert), read
+    expert by expert: `get_shape()` and `[index]` as a safetensors slice reader."""
+
+    def __init__(self, readers: list):
+        self.readers = readers
+        self.shape = (len(readers), *readers[0].get_shape())
+        for reader in readers:
+            if tuple(reader.get_shape()) != self.shape[1:]:
+                raise ValueError(f"experts' tensors of shapes {tuple(reader.get_shape())} and "
+                                 f"{self.shape[1:]} cannot be stacked")
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        first, rest = (index[0], index[1:]) if index else (slice(None), ())
+        return np.stack([np.asarray(self.readers[e][rest] if rest else self.readers[e][:])
+                         for e in range(self.shape[0])[first]])
+
+
+def stack_experts(readers: dict, model_cls: type[nnx.Module]) -> dict:
+    """`readers` with each layer's per-expert tensors (the family's `EXPERT_TENSORS`: (name
+    with `{i}` the layer and `{j}` the expert, the stacked tensor's name with `{i}`)) replaced
+    by one `StackedReader` over experts 0.. in order; the other tensors as they are.
+
+    Raises:
+      ValueError: a layer's experts are not numbered 0 to E - 1.
+    """
+    rules = [(re.compile(re.escape(each).replace(r"\{i\}", r"(\d+)").replace(
+        r"\{j\}", r"(\d+)") + "$"), stacked)
+             for each, stacked in getattr(model_cls, "EXPERT_TENSORS", ())]
+    if not rules:
+        return readers
+    out, groups = {}, {}
+    for key, reader in readers.items():
+        for pattern, stacked in rules:
+            m = pattern.match(key)
+            if m:
+                groups.setdefault(stacked.format(i=m.group(1)), {})[int(m.group(2))] = reader
+                break
+        else:
+            out[key] = reader
+    for name, experts in groups.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise ValueError(f"{name}: experts {sorted(experts)[:8]} are not 0 to "
+                             f"{len(experts) - 1}")
+        out[name] = StackedReader([experts[e] for e in range(len(experts))])
+    return out
 
 
 def read_pieces(readers: dict, plan: LoadPlan, sources: dict[str, Source], mesh: Mesh | None,
@@ -318,6 +376,7 @@ def load_weights(model_cls: type[nnx.Module], model_dir: str | Path, config, dty
     """
     if readers is None:
         readers = open_safetensors(model_dir)
+    readers = stack_experts(readers, model_cls)
     shapes = {key: tuple(reader.get_shape()) for key, reader in readers.items()}
     plan = plan_load(model_cls, config, attention_backend, dtype)
     sources = match_checkpoint(model_cls, config, plan, shapes)

@@ -33,6 +33,9 @@ FAMILIES = {
         head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16, tie_word_embeddings=True,
         layer_types=["sliding_attention", "full_attention"])),
     "phi3": (transformers.Phi3Config, dict(partial_rotary_factor=0.5, sliding_window=WINDOW)),
+    # Mistral's attention, a Mixture-of-Experts MLP (8 experts, top-2) in every layer
+    "mixtral": (transformers.MixtralConfig, dict(sliding_window=WINDOW, head_dim=16,
+                                                 num_local_experts=8, num_experts_per_tok=2)),
     # longrope with a 32-token original length: the longer prompts rotate with the long
     # factors from their first token, the shorter ones switch while decoding past it.
     "phi3-longrope": (transformers.Phi3Config, dict(
@@ -42,7 +45,8 @@ FAMILIES = {
                              long_factor=[1.5, 2.5, 4.0, 7.0]))),
 }
 HF_CLASSES = {"gemma3": transformers.Gemma3ForCausalLM}
-SAME_ATTENTION_AS_LLAMA = ("phi3", "phi3-longrope")  # see the module docstring
+# See the module docstring; Mixtral's attention is Mistral's, its experts act after it.
+SAME_ATTENTION_AS_LLAMA = ("phi3", "phi3-longrope", "mixtral")
 # Prompts of 3 to 60 tokens: most are longer than the window. The last repeats the one before's
 # start, for a prefix-cache hit.
 PROMPTS = [
