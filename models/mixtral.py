@@ -16,11 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from flax import nnx
-
 from jaxpaged.models.config import LlamaConfig
 from jaxpaged.models.llama import LLAMA_NAME_MAP, LlamaForCausalLM
-from jaxpaged.models.moe import Routing, SparseMoeBlock
+from jaxpaged.models.moe import MoeModel, MoeSpec, Routing
 
 _MOE = "model.layers.{i}.block_sparse_moe"
 MIXTRAL_NAME_MAP = tuple(e for e in LLAMA_NAME_MAP if ".mlp." not in e[0]) + (
@@ -36,34 +34,19 @@ class MixtralConfig(LlamaConfig):
     ARCHITECTURES: ClassVar[tuple[str, ...]] = ("MixtralForCausalLM",)
     DEFAULT_ROPE_THETA: ClassVar[float] = 1e6
 
-    num_local_experts: int = 8  # E
-    num_experts_per_tok: int = 2  # k
+    moe: MoeSpec = MoeSpec(8, 1, Routing(2))  # set from config.json by `from_hf_dict`
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "MixtralConfig":
         config = super().from_hf_dict(d)
-        E, k = d.get("num_local_experts", 8), d.get("num_experts_per_tok", 2)
-        if not (isinstance(E, int) and isinstance(k, int) and 1 <= k <= E):
-            raise ValueError(f"num_experts_per_tok={k!r} and num_local_experts={E!r}: need "
-                             "1 <= num_experts_per_tok <= num_local_experts")
-        return dataclasses.replace(config, num_local_experts=E, num_experts_per_tok=k)
+        return dataclasses.replace(config, moe=MoeSpec(
+            d.get("num_local_experts", 8), config.intermediate_size,
+            Routing(d.get("num_experts_per_tok", 2))))
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
+class MixtralForCausalLM(MoeModel, LlamaForCausalLM):
     config_class = MixtralConfig
     NAME_MAP = MIXTRAL_NAME_MAP
     # Per-expert checkpoint tensors -> one stacked tensor per layer (`loader.stack_experts`).
     EXPERT_TENSORS = tuple((f"{_MOE}.experts.{{j}}.{w}.weight", f"{_MOE}.experts.{w}")
                            for w in ("w1", "w2", "w3"))
-
-    def make_mlp(self, config: MixtralConfig, layer: int, dtype, rngs: nnx.Rngs):
-        return SparseMoeBlock(config, dtype=dtype, rngs=rngs,
-                              routing=Routing(config.num_experts_per_tok),
-                              num_experts=config.num_local_experts,
-                              intermediate_size=config.intermediate_size)
-
-    @staticmethod
-    def part_widths(config: MixtralConfig) -> dict[str, tuple[int, ...]]:
-        widths = LlamaForCausalLM.part_widths(config)
-        del widths["mlp.gate_up_proj.kernel"]
-        return {**widths, "mlp.experts_gate_up": (config.intermediate_size,) * 2}

@@ -139,6 +139,57 @@ def experts_forward(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
     return fn[path](x, weights, ids, gate_up, down, act)
 
 
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """A family config's Mixture-of-Experts part (its `moe` field), read from config.json."""
+
+    num_experts: int  # E
+    intermediate_size: int  # F of each routed expert
+    routing: Routing
+    shared_intermediate_size: int = 0  # F of the shared expert (Qwen2-MoE); 0: none
+    # Which layers are sparse (Qwen2/3-MoE's `decoder_sparse_step` and `mlp_only_layers`): layer
+    # i is when (i + 1) % sparse_step == 0 and i is not in mlp_only_layers; the rest are dense.
+    sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        E, k = self.num_experts, self.routing.top_k
+        if not (isinstance(E, int) and isinstance(k, int) and 1 <= k <= E):
+            raise ValueError(f"num_experts_per_tok={k!r} and the number of experts {E!r}: need "
+                             "1 <= num_experts_per_tok <= experts")
+        if not isinstance(self.sparse_step, int) or self.sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be an int >= 1, got "
+                             f"{self.sparse_step!r}")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
+
+
+class MoeModel:
+    """What a Mixture-of-Experts family adds to `LlamaForCausalLM` (listed first among its
+    bases): each sparse layer's `SparseMoeBlock` from `config.moe`, and the widths of the
+    experts' stacked gate / up."""
+
+    def make_mlp(self, config, layer: int, dtype, rngs: nnx.Rngs):
+        spec = config.moe
+        if not spec.is_sparse(layer):
+            return None
+        return SparseMoeBlock(config, dtype=dtype, rngs=rngs, routing=spec.routing,
+                              num_experts=spec.num_experts,
+                              intermediate_size=spec.intermediate_size,
+                              shared_intermediate_size=spec.shared_intermediate_size)
+
+    @classmethod
+    def part_widths(cls, config) -> dict[str, tuple[int, ...]]:
+        spec = config.moe
+        widths = {**super().part_widths(config),
+                  "mlp.experts_gate_up": (spec.intermediate_size,) * 2}
+        if spec.shared_intermediate_size:
+            widths["mlp.shared_expert.gate_up_proj.kernel"] = (
+                spec.shared_intermediate_size,) * 2
+        return widths
+
+
 class SparseMoeBlock(nnx.Module):
     """A layer's MoE MLP: the router (`router.kernel: f[D, E]`, a bias where the family has
     one), the E routed experts stacked (`experts_gate_up: f[E, D, 2F]`, gate then up;

@@ -36,6 +36,14 @@ FAMILIES = {
     # Mistral's attention, a Mixture-of-Experts MLP (8 experts, top-2) in every layer
     "mixtral": (transformers.MixtralConfig, dict(sliding_window=WINDOW, head_dim=16,
                                                  num_local_experts=8, num_experts_per_tok=2)),
+    # a shared expert, no renormalization, layer 1 dense (mlp_only_layers)
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80, norm_topk_prob=False, mlp_only_layers=[1])),
+    # renormalized, every second layer sparse (decoder_sparse_step: layer 0 dense)
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True, decoder_sparse_step=2)),
     # longrope with a 32-token original length: the longer prompts rotate with the long
     # factors from their first token, the shorter ones switch while decoding past it.
     "phi3-longrope": (transformers.Phi3Config, dict(
@@ -45,8 +53,9 @@ FAMILIES = {
                              long_factor=[1.5, 2.5, 4.0, 7.0]))),
 }
 HF_CLASSES = {"gemma3": transformers.Gemma3ForCausalLM}
-# See the module docstring; Mixtral's attention is Mistral's, its experts act after it.
-SAME_ATTENTION_AS_LLAMA = ("phi3", "phi3-longrope", "mixtral")
+# See the module docstring; the MoE families' attention is Mistral's, Qwen2's and Qwen3's, their
+# experts act after it.
+SAME_ATTENTION_AS_LLAMA = ("phi3", "phi3-longrope", "mixtral", "qwen2_moe", "qwen3_moe")
 # Prompts of 3 to 60 tokens: most are longer than the window. The last repeats the one before's
 # start, for a prefix-cache hit.
 PROMPTS = [
@@ -174,6 +183,8 @@ def test_the_window_and_soft_caps_change_these_logits(family, tmp_path):
 
     name, path, model, ids, _ = family
     config = json.loads((path / "config.json").read_text())
+    if config.get("use_sliding_window") is False:  # its sliding_window is not used (Qwen)
+        del config["sliding_window"]
     changed = {k: None for k in ("sliding_window", "attn_logit_softcapping",
                                  "final_logit_softcapping") if config.get(k) is not None}
     if not changed:
@@ -195,11 +206,12 @@ def test_unsupported_architectures_and_fields_are_named(family, tmp_path):
     name, path, *_ = family
     config = json.loads((path / "config.json").read_text())
     shutil.copytree(path, tmp_path / "m")
-    for change, message in [
-            (dict(architectures=["FalconForCausalLM"]), "FalconForCausalLM.*Gemma3ForCausalLM"),
-            ({"hidden_act": "relu", "hidden_activation": "relu"}, "'relu'"),
-            (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0)), "'dynamic'"),
-            (dict(layer_types=["full_attention"]), "layer_types")]:
+    cases = [(dict(architectures=["FalconForCausalLM"]), "FalconForCausalLM.*Gemma3ForCausalLM"),
+             ({"hidden_act": "relu", "hidden_activation": "relu"}, "'relu'"),
+             (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0)), "'dynamic'")]
+    if config.get("use_sliding_window") is not False:  # else layer types are not read (Qwen)
+        cases.append((dict(layer_types=["full_attention"]), "layer_types"))
+    for change, message in cases:
         (tmp_path / "m" / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ValueError, match=message):
             load_config(tmp_path / "m")
