@@ -114,7 +114,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """Grouped-query attention over the paged pool, as `spec` says (scale, sliding window,
     soft-cap) through `backend`. With `qk_norm`, q and k go through a per-head RMSNorm
-    (weight f[H]) before RoPE (`Qwen3Attention`). `qkv_proj_lora` / `o_proj_lora`: adapter
+    (weight f[H]) before RoPE (`Qwen3Attention`); with `qk_norm="full"`, through one RMSNorm
+    over all heads each (f[N * H], f[K * H]: `OlmoeAttention`). `qkv_proj_lora` / `o_proj_lora`: adapter
     slots (`models.lora`), set by `enable_lora`."""
 
     qkv_proj_lora = o_proj_lora = None
@@ -131,9 +132,15 @@ class Attention(nnx.Module):
         self.qkv_proj = linear(D, (N + 2 * K) * H, dtype, rngs, bias=config.qkv_bias,
                                partition=COLUMN)
         self.o_proj = linear(N * H, D, dtype, rngs, partition=ROW)
-        norm = lambda: RMSNorm(H, config.rms_norm_eps, dtype=dtype, unit_offset=unit_offset)
-        self.q_norm = norm() if qk_norm else None
-        self.k_norm = norm() if qk_norm else None
+        # "full": one RMSNorm over all of q's heads and one over k's (OLMoE), else per head.
+        self.full_qk_norm = qk_norm == "full"
+        norm = lambda width: RMSNorm(width, config.rms_norm_eps, dtype=dtype,
+                                     unit_offset=unit_offset)
+        q_width, k_width = (N * H, K * H) if self.full_qk_norm else (H, H)
+        self.q_norm = norm(q_width) if qk_norm else None
+        self.k_norm = norm(k_width) if qk_norm else None
+        # q, k and v clamped to [-clip_qkv, clip_qkv] after the norms (OLMoE's `clip_qkv`).
+        self.clip_qkv = getattr(config, "clip_qkv", None)
 
     def __call__(self, x, cos, sin, kv_cache, layer: int, batch: ModelInput):
         # x: [T, D]; kv_cache: [L, 2, K, P, S, H] the whole pool, this layer's at `layer`.
@@ -144,9 +151,13 @@ class Attention(nnx.Module):
         qkv = project(self.qkv_proj, self.qkv_proj_lora, x, slots)
         qkv = qkv.reshape(T, self.tp, (Ns + 2 * Ks) * H)  # by shard (module doc)
         q, k, v = jnp.split(qkv, [Ns * H, (Ns + Ks) * H], axis=-1)
+        if self.full_qk_norm:
+            q, k = self.q_norm(q.reshape(T, N * H)), self.k_norm(k.reshape(T, K * H))
         q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (jnp.clip(x, -self.clip_qkv, self.clip_qkv) for x in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(batch, DenseBatch):  # a dense forward: no pool
             out = dense_attention(q, k, v, batch, self.spec)

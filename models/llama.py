@@ -68,7 +68,7 @@ class LlamaForCausalLM(nnx.Module):
     config_class = LlamaConfig
     NAME_MAP = LLAMA_NAME_MAP
     # What families built on this class change (see `models.layers`):
-    QK_NORM = False  # a per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
+    QK_NORM = False  # RMSNorm on q and k before RoPE: per head (Qwen3, Gemma 3), "full" (OLMoE)
     UNIT_OFFSET_NORMS = False  # RMSNorms scale by (1 + w) in float32 (Gemma)
     SANDWICH_NORMS = False  # four norms per layer (Gemma)
     EMBED_SCALE = False  # embeddings times sqrt(hidden_size) in the weight dtype (Gemma)

@@ -139,6 +139,19 @@ def experts_forward(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
     return fn[path](x, weights, ids, gate_up, down, act)
 
 
+# The checkpoint layout Qwen2/3-MoE and OLMoE share: the router `mlp.gate`, each expert's
+# `mlp.experts.{j}.{gate,up,down}_proj`, stacked by expert on load (`EXPERT_TENSORS`).
+_MLP = "model.layers.{i}.mlp"
+EXPERTS_NAME_MAP = (
+    (f"{_MLP}.gate.weight", "layers.{i}.mlp.router.kernel", True, None),
+    (f"{_MLP}.experts.gate_proj", "layers.{i}.mlp.experts_gate_up", True, (0, 2)),
+    (f"{_MLP}.experts.up_proj", "layers.{i}.mlp.experts_gate_up", True, (1, 2)),
+    (f"{_MLP}.experts.down_proj", "layers.{i}.mlp.experts_down", True, None),
+)
+EXPERT_TENSORS = tuple((f"{_MLP}.experts.{{j}}.{p}.weight", f"{_MLP}.experts.{p}")
+                       for p in ("gate_proj", "up_proj", "down_proj"))
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeSpec:
     """A family config's Mixture-of-Experts part (its `moe` field), read from config.json."""

@@ -9,7 +9,8 @@ expert is a SwiGLU MLP of `moe_intermediate_size` units. Qwen2-MoE adds a shared
 `sigmoid(shared_expert_gate(x))` (`models.moe.SparseMoeBlock`).
 
 Checkpoints hold each expert's gate, up and down projections apart
-(`mlp.experts.{j}.gate_proj.weight`); the loader stacks them by expert (`EXPERT_TENSORS`).
+(`mlp.experts.{j}.gate_proj.weight`); the loader stacks them by expert
+(`models.moe.EXPERT_TENSORS`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,13 @@ import dataclasses
 from typing import Any, ClassVar
 
 from jaxpaged.models.llama import LLAMA_NAME_MAP, QK_NORM_NAME_MAP, LlamaForCausalLM
-from jaxpaged.models.moe import MoeModel, MoeSpec, Routing
+from jaxpaged.models.moe import (EXPERT_TENSORS, EXPERTS_NAME_MAP, MoeModel, MoeSpec,
+                                  Routing)
 from jaxpaged.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from jaxpaged.models.qwen3 import Qwen3Config
 
 _MLP = "model.layers.{i}.mlp"
-QWEN_MOE_NAME_MAP = (
-    (f"{_MLP}.gate.weight", "layers.{i}.mlp.router.kernel", True, None),
-    (f"{_MLP}.experts.gate_proj", "layers.{i}.mlp.experts_gate_up", True, (0, 2)),
-    (f"{_MLP}.experts.up_proj", "layers.{i}.mlp.experts_gate_up", True, (1, 2)),
-    (f"{_MLP}.experts.down_proj", "layers.{i}.mlp.experts_down", True, None),
+SHARED_EXPERT_NAME_MAP = (
     (f"{_MLP}.shared_expert.gate_proj.weight", "layers.{i}.mlp.shared_expert.gate_up_proj.kernel",
      True, (0, 2)),
     (f"{_MLP}.shared_expert.up_proj.weight", "layers.{i}.mlp.shared_expert.gate_up_proj.kernel",
@@ -36,8 +34,6 @@ QWEN_MOE_NAME_MAP = (
      True, None),
     (f"{_MLP}.shared_expert_gate.weight", "layers.{i}.mlp.shared_expert_gate.kernel", True, None),
 )
-QWEN_EXPERT_TENSORS = tuple((f"{_MLP}.experts.{{j}}.{p}.weight", f"{_MLP}.experts.{p}")
-                            for p in ("gate_proj", "up_proj", "down_proj"))
 
 
 def qwen_moe_spec(d: dict[str, Any]) -> MoeSpec:
@@ -79,12 +75,12 @@ class Qwen3MoeConfig(Qwen3Config):
 
 class Qwen2MoeForCausalLM(MoeModel, Qwen2ForCausalLM):
     config_class = Qwen2MoeConfig
-    NAME_MAP = Qwen2ForCausalLM.NAME_MAP + QWEN_MOE_NAME_MAP
-    EXPERT_TENSORS = QWEN_EXPERT_TENSORS
+    NAME_MAP = Qwen2ForCausalLM.NAME_MAP + EXPERTS_NAME_MAP + SHARED_EXPERT_NAME_MAP
+    EXPERT_TENSORS = EXPERT_TENSORS
 
 
 class Qwen3MoeForCausalLM(MoeModel, LlamaForCausalLM):
     config_class = Qwen3MoeConfig
-    NAME_MAP = LLAMA_NAME_MAP + QK_NORM_NAME_MAP + QWEN_MOE_NAME_MAP
-    EXPERT_TENSORS = QWEN_EXPERT_TENSORS
+    NAME_MAP = LLAMA_NAME_MAP + QK_NORM_NAME_MAP + EXPERTS_NAME_MAP
+    EXPERT_TENSORS = EXPERT_TENSORS
     QK_NORM = True
