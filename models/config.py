@@ -64,6 +64,13 @@ class LlamaConfig:
     query_pre_attn_scalar: float | None = None  # attention scale its ** -0.5 (Gemma)
     attn_logit_softcapping: float | None = None  # attention logit soft-cap (Gemma 2)
     final_logit_softcapping: float | None = None  # output logit soft-cap (Gemma 2)
+    # Granite's multipliers: embeddings times `embedding_multiplier`, attention scaled by
+    # `attention_multiplier` (in place of head_dim ** -0.5), each block's output times
+    # `residual_multiplier` before its residual add, logits divided by `logits_scaling`.
+    embedding_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
     # The sliding layers' own RoPE (theta, scaling), when they have one (Gemma 3's local base).
     local_rope: tuple[float, RopeScaling] | None = None
     # How the model is split over devices, not read from config.json (`for_tensor_parallel`):
@@ -155,6 +162,10 @@ class LlamaConfig:
             query_pre_attn_scalar=optional("query_pre_attn_scalar"),
             attn_logit_softcapping=optional("attn_logit_softcapping"),
             final_logit_softcapping=optional("final_logit_softcapping"),
+            embedding_multiplier=optional("embedding_multiplier"),
+            attention_multiplier=optional("attention_multiplier"),
+            residual_multiplier=optional("residual_multiplier"),
+            logits_scaling=optional("logits_scaling"),
             local_rope=None if local is None else (local.theta, local.scaling),
         )
 
@@ -194,9 +205,12 @@ class LlamaConfig:
         return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
 
     def attention_spec(self, layer: int) -> AttentionSpec:
-        """Layer `layer`'s attention: scale head_dim ** -0.5 (or query_pre_attn_scalar ** -0.5),
+        """Layer `layer`'s attention: scale head_dim ** -0.5 (or query_pre_attn_scalar ** -0.5,
+        or attention_multiplier),
         the sliding window on sliding layers, the attention logit soft-cap."""
-        return AttentionSpec(scale=(self.query_pre_attn_scalar or self.head_dim) ** -0.5,
+        scale = (self.attention_multiplier if self.attention_multiplier is not None
+                 else (self.query_pre_attn_scalar or self.head_dim) ** -0.5)
+        return AttentionSpec(scale=scale,
                              sliding_window=self.sliding_window if self.is_sliding(layer) else None,
                              soft_cap=self.attn_logit_softcapping)
 

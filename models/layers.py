@@ -251,14 +251,18 @@ class DecoderLayer(nnx.Module):
         # The layer's MLP: `mlp(x, lora_slots) -> f[T, D]` (a family's per-layer choice, as
         # `models.moe.SparseMoeBlock`), by default the gated one.
         self.mlp = mlp if mlp is not None else GatedMLP(config, dtype=dtype, rngs=rngs)
+        # Each block's output times this before its residual add (Granite), or None.
+        self.residual_multiplier = getattr(config, "residual_multiplier", None)
 
     def __call__(self, x, cos, sin, kv_cache, layer: int, batch: ModelInput):
         attn, kv_cache, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache,
                                                 layer, batch)
         slots = getattr(batch, "lora_slots", None)
         if self.pre_feedforward_layernorm is None:
-            x = x + attn
-            return x + self.mlp(self.post_attention_layernorm(x), slots), kv_cache, new_kv
+            scale = ((lambda h: h) if self.residual_multiplier is None
+                     else (lambda h: h * self.residual_multiplier))
+            x = x + scale(attn)
+            return x + scale(self.mlp(self.post_attention_layernorm(x), slots)), kv_cache, new_kv
         x = x + self.post_attention_layernorm(attn)
         h = self.mlp(self.pre_feedforward_layernorm(x), slots)
         return x + self.post_feedforward_layernorm(h), kv_cache, new_kv

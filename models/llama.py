@@ -128,8 +128,7 @@ class LlamaForCausalLM(nnx.Module):
         md = batch.attention
         T = batch.input_ids.shape[0]
         x = self.embed_tokens(batch.input_ids)  # [T, D]
-        if self.EMBED_SCALE:  # HF rounds the scale to the weight dtype first
-            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        x = self.scale_embeddings(x)
         # Computed once per kind of layer: without the barrier XLA fuses cos/sin into every
         # layer's RoPE and evaluates them again for each head.
         ropes = {}
@@ -184,8 +183,7 @@ class LlamaForCausalLM(nnx.Module):
         positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32)
         batch = DenseBatch(mask, positions)
         x = self.embed_tokens(input_ids.reshape(B * T))
-        if self.EMBED_SCALE:
-            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        x = self.scale_embeddings(x)
         # Longrope: every token's sequence is its whole row, as in one HF forward.
         seq_lens = jnp.broadcast_to(jnp.sum(mask, axis=-1, keepdims=True), (B, T)).reshape(-1)
         ropes = {}
@@ -198,14 +196,25 @@ class LlamaForCausalLM(nnx.Module):
             x, _, _ = layer(x, cos, sin, None, i, batch)
         return self.norm(x)
 
+    def scale_embeddings(self, x: jax.Array) -> jax.Array:
+        """The embeddings times sqrt(hidden_size) (`EMBED_SCALE`: Gemma, which rounds the scale
+        to the weight dtype first) or times `embedding_multiplier` (Granite)."""
+        if self.EMBED_SCALE:
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        if self.config.embedding_multiplier is not None:
+            x = x * self.config.embedding_multiplier
+        return x
+
     def compute_logits(self, x: jax.Array) -> jax.Array:
-        """f[..., D] final hidden states -> f32[..., V] logits, soft-capped when the config
-        says (Gemma 2's `final_logit_softcapping`)."""
+        """f[..., D] final hidden states -> f32[..., V] logits, divided by `logits_scaling`
+        (Granite) and soft-capped (Gemma 2's `final_logit_softcapping`) when the config says."""
         if self.lm_head is None:
             logits = self.embed_tokens.attend(x)
         else:
             logits = self.lm_head(x)
         logits = logits.astype(jnp.float32)
+        if self.config.logits_scaling is not None:  # Granite
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

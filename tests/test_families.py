@@ -47,6 +47,10 @@ FAMILIES = {
     # full-width q/k norms, q/k/v clamped, no renormalization
     "olmoe": (transformers.OlmoeConfig, dict(num_experts=8, num_experts_per_tok=2,
                                              clip_qkv=2.0, norm_topk_prob=False)),
+    # top-k of the logits then softmax; the four multipliers away from 1
+    "granitemoe": (transformers.GraniteMoeConfig, dict(
+        num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=3.0,
+        attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)),
     # longrope with a 32-token original length: the longer prompts rotate with the long
     # factors from their first token, the shorter ones switch while decoding past it.
     "phi3-longrope": (transformers.Phi3Config, dict(
@@ -58,7 +62,8 @@ FAMILIES = {
 HF_CLASSES = {"gemma3": transformers.Gemma3ForCausalLM}
 # See the module docstring; the MoE families' attention is Mistral's, Qwen2's and Qwen3's, their
 # experts act after it.
-SAME_ATTENTION_AS_LLAMA = ("phi3", "phi3-longrope", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SAME_ATTENTION_AS_LLAMA = ("phi3", "phi3-longrope", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                           "granitemoe")
 # Prompts of 3 to 60 tokens: most are longer than the window. The last repeats the one before's
 # start, for a prefix-cache hit.
 PROMPTS = [
