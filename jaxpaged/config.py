@@ -114,6 +114,9 @@ class ParallelConfig:
     """The device mesh and the processes that share it."""
 
     tensor_parallel_size: int = 1  # devices the model is split over
+    # A Mixture-of-Experts model's experts whole on each device, E / tp each (vLLM's
+    # `enable_expert_parallel`); else each expert's hidden units split as a dense MLP's.
+    enable_expert_parallel: bool = False
     coordinator_address: str | None = None  # "host:port" of process 0; None: one process
     num_processes: int = 1
     process_id: int = 0  # this process's index, from 0

@@ -169,16 +169,20 @@ class LlamaConfig:
             local_rope=None if local is None else (local.theta, local.scaling),
         )
 
-    def for_tensor_parallel(self, tp: int) -> "LlamaConfig":
+    def for_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> "LlamaConfig":
         """This config split over tp devices: heads, the MLP's hidden units and the vocabulary
         in tp equal parts (`models.layers`). Where tp exceeds the KV heads K, each KV head is
         repeated tp / K times (tpu-inference does the same), so every device holds one: the
         KV pool and the k/v projections then cost tp / K times their memory, and each device
         reads only its own copy.
 
+        A Mixture-of-Experts model's experts are split too (`MoeSpec.for_tensor_parallel`):
+        each expert's hidden units, or with `expert_parallel` whole experts per device.
+
         Raises:
-          ValueError: tp does not divide the query heads, the MLP's hidden units or the
-            vocabulary, or neither tp nor K divides the other (named).
+          ValueError: tp does not divide the query heads, the MLP's hidden units, the
+            vocabulary (or the experts, or their hidden units), or neither tp nor K divides the
+            other (named); `expert_parallel` on a model without experts.
         """
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
@@ -195,8 +199,13 @@ class LlamaConfig:
                              "divide the other (KV heads are split, or repeated to one per "
                              "device)")
         replicas = max(1, tp // K)
+        moe = getattr(self, "moe", None)  # a Mixture-of-Experts family's (`models.moe.MoeSpec`)
+        if expert_parallel and moe is None:
+            raise ValueError("enable_expert_parallel needs a Mixture-of-Experts model; "
+                             f"{type(self).__name__} has no experts")
+        split = {} if moe is None else {"moe": moe.for_tensor_parallel(tp, expert_parallel)}
         return dataclasses.replace(self, num_key_value_heads=K * replicas, tensor_parallel_size=tp,
-                                   kv_head_replicas=replicas)
+                                   kv_head_replicas=replicas, **split)
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends to the last `sliding_window` tokens only."""

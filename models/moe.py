@@ -29,8 +29,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.layers import ACTIVATIONS, GatedMLP, linear
+from jaxpaged.pallas_kernels.backends import MODEL_AXIS
 
 # Steps whose (token, expert) pairs number at most this gather each pair's expert matrices
 # (decode steps of a few sequences); larger ones sort the pairs into per-expert tiles.
@@ -61,31 +63,36 @@ def route(logits: jax.Array, routing: Routing) -> tuple[jax.Array, jax.Array]:
     return top, ids
 
 
-def _expert_mlp(x, gate_up, down, act):
+def _split_gate_up(h: jax.Array, tp: int) -> tuple[jax.Array, jax.Array]:
+    """(gate, up) of h: f[..., 2F], laid out by shard over tp devices (`models.layers`: each
+    device's block is its gate columns, then its up columns)."""
+    gate, up = jnp.split(h.reshape(*h.shape[:-1], tp, -1), 2, axis=-1)
+    return gate.reshape(*h.shape[:-1], -1), up.reshape(*h.shape[:-1], -1)
+
+
+def _expert_mlp(x, gate_up, down, act, tp: int = 1):
     """`down(act(gate) * up)` for rows x: f[..., D] and matrices batched alike."""
-    h = jnp.einsum("...d,...df->...f", x, gate_up)
-    gate, up = jnp.split(h, 2, axis=-1)
+    gate, up = _split_gate_up(jnp.einsum("...d,...df->...f", x, gate_up), tp)
     return jnp.einsum("...f,...fd->...d", act(gate) * up, down)
 
 
-def experts_dense(x, weights, ids, gate_up, down, act):
+def experts_dense(x, weights, ids, gate_up, down, act, tp: int = 1):
     """Every expert on every token: f[T, D]."""
     E = gate_up.shape[0]
     dense = jnp.zeros((x.shape[0], E), jnp.float32).at[
         jnp.arange(x.shape[0])[:, None], ids].add(weights)
-    h = jnp.einsum("td,edf->etf", x, gate_up)
-    gate, up = jnp.split(h, 2, axis=-1)
+    gate, up = _split_gate_up(jnp.einsum("td,edf->etf", x, gate_up), tp)
     out = jnp.einsum("etf,efd->etd", act(gate) * up, down)
     return jnp.einsum("etd,te->td", out, dense.astype(out.dtype))
 
 
-def experts_gathered(x, weights, ids, gate_up, down, act):
+def experts_gathered(x, weights, ids, gate_up, down, act, tp: int = 1):
     """Each token's k experts' matrices gathered: f[T, D]."""
-    out = _expert_mlp(x[:, None, :], gate_up[ids], down[ids], act)  # [T, k, D]
+    out = _expert_mlp(x[:, None, :], gate_up[ids], down[ids], act, tp)  # [T, k, D]
     return jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype))
 
 
-def experts_grouped(x, weights, ids, gate_up, down, act, tile: int = GROUP_TILE):
+def experts_grouped(x, weights, ids, gate_up, down, act, tp: int = 1, tile: int = GROUP_TILE):
     """The (token, expert) pairs sorted by expert into tiles of `tile` rows: f[T, D]."""
     T, D = x.shape
     E, k = gate_up.shape[0], ids.shape[1]
@@ -105,7 +112,7 @@ def experts_grouped(x, weights, ids, gate_up, down, act, tile: int = GROUP_TILE)
     tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles), jnp.arange(num_tiles),
                                                side="right"), E - 1)
     out = _expert_mlp(rows.reshape(num_tiles, tile, D), gate_up[tile_expert][:, None],
-                      down[tile_expert][:, None], act).reshape(num_tiles * tile, D)
+                      down[tile_expert][:, None], act, tp).reshape(num_tiles * tile, D)
     pair_weight = weights.reshape(n)[order].astype(out.dtype)
     return jnp.zeros((T, D), out.dtype).at[token].add(out[row] * pair_weight[:, None])
 
@@ -116,7 +123,7 @@ def choose_path(num_tokens: int, top_k: int) -> str:
 
 
 def experts_forward(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
-                    down: jax.Array, act, path: str | None = None) -> jax.Array:
+                    down: jax.Array, act, path: str | None = None, tp: int = 1) -> jax.Array:
     """The routed experts' weighted sum for each token.
 
     Args:
@@ -125,6 +132,7 @@ def experts_forward(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
       gate_up: f[E, D, 2F] each expert's gate then up projection; down: f[E, F, D].
       act: the activation (`models.layers.ACTIVATIONS`).
       path: one of `PATHS`; None: `choose_path`.
+      tp: the shards gate_up's columns are laid out by (tensor parallelism, `models.layers`).
 
     Returns:
       f[T, D] in the matmuls' dtype.
@@ -136,7 +144,27 @@ def experts_forward(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
     if path not in PATHS:
         raise ValueError(f"MoE path {path!r} is not one of {PATHS}")
     fn = {"dense": experts_dense, "gathered": experts_gathered, "grouped": experts_grouped}
-    return fn[path](x, weights, ids, gate_up, down, act)
+    return fn[path](x, weights, ids, gate_up, down, act, tp)
+
+
+def experts_parallel(mesh, x, weights, ids, gate_up, down, act, path: str | None = None):
+    """`experts_forward` with the experts split whole over the mesh's model axis (expert
+    parallelism: device s holds experts s * E / tp ..): each device runs the pairs of its own
+    experts (the others' with weight 0) on the replicated tokens, and one all-reduce sums the
+    devices' outputs."""
+    path = path or choose_path(x.shape[0], ids.shape[1])
+
+    def local(x, weights, ids, gate_up, down):
+        E = gate_up.shape[0]
+        own = ids - jax.lax.axis_index(MODEL_AXIS) * E
+        mine = (own >= 0) & (own < E)
+        out = experts_forward(x, jnp.where(mine, weights, 0), jnp.clip(own, 0, E - 1),
+                              gate_up, down, act, path)
+        return jax.lax.psum(out, MODEL_AXIS)
+
+    experts = P(MODEL_AXIS)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), experts, experts),
+                         out_specs=P())(x, weights, ids, gate_up, down)
 
 
 # The checkpoint layout Qwen2/3-MoE and OLMoE share: the router `mlp.gate`, each expert's
@@ -164,6 +192,9 @@ class MoeSpec:
     # i is when (i + 1) % sparse_step == 0 and i is not in mlp_only_layers; the rest are dense.
     sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # How the experts lie on the mesh's model axis (`for_tensor_parallel`): each expert's
+    # hidden units split over the devices (False), or whole experts, E / tp per device (True).
+    expert_parallel: bool = False
 
     def __post_init__(self):
         E, k = self.num_experts, self.routing.top_k
@@ -173,6 +204,23 @@ class MoeSpec:
         if not isinstance(self.sparse_step, int) or self.sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be an int >= 1, got "
                              f"{self.sparse_step!r}")
+
+    def for_tensor_parallel(self, tp: int, expert_parallel: bool) -> "MoeSpec":
+        """This spec on tp devices (see `expert_parallel`).
+
+        Raises:
+          ValueError: tp does not divide the experts (expert parallel), or their or the
+            shared expert's hidden units.
+        """
+        need = ([("experts", self.num_experts)] if expert_parallel
+                else [("experts' intermediate size", self.intermediate_size)])
+        need.append(("shared expert's intermediate size", self.shared_intermediate_size))
+        for name, value in need:
+            if value % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide the {name} "
+                                 f"({value})" + ("" if expert_parallel else
+                                                 "; enable_expert_parallel splits whole experts"))
+        return dataclasses.replace(self, expert_parallel=expert_parallel)
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
@@ -190,7 +238,8 @@ class MoeModel:
         return SparseMoeBlock(config, dtype=dtype, rngs=rngs, routing=spec.routing,
                               num_experts=spec.num_experts,
                               intermediate_size=spec.intermediate_size,
-                              shared_intermediate_size=spec.shared_intermediate_size)
+                              shared_intermediate_size=spec.shared_intermediate_size,
+                              expert_parallel=spec.expert_parallel, mesh=self.backend.mesh)
 
     @classmethod
     def part_widths(cls, config) -> dict[str, tuple[int, ...]]:
@@ -216,13 +265,21 @@ class SparseMoeBlock(nnx.Module):
 
     def __init__(self, config, *, dtype, rngs: nnx.Rngs, routing: Routing, num_experts: int,
                  intermediate_size: int, shared_intermediate_size: int = 0,
-                 router_bias: bool = False):
+                 router_bias: bool = False, expert_parallel: bool = False, mesh=None):
         D, E, F = config.hidden_size, num_experts, intermediate_size
         self.routing = routing
+        self.tp = config.tensor_parallel_size
+        # Expert parallelism's mesh (whole experts per device), or None: each expert's hidden
+        # units split over the model axis, as a dense MLP's (`models.layers`).
+        self.mesh = mesh if expert_parallel and self.tp > 1 else None
         self.router = linear(D, E, dtype, rngs, bias=router_bias)
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        self.experts_gate_up = nnx.Param(init(rngs.params(), (E, D, 2 * F), dtype))
-        self.experts_down = nnx.Param(init(rngs.params(), (E, F, D), dtype))
+        spec = ((MODEL_AXIS, None, None), (MODEL_AXIS, None, None)) if expert_parallel else (
+            (None, None, MODEL_AXIS), (None, MODEL_AXIS, None))
+        self.experts_gate_up = nnx.Param(nnx.with_partitioning(init, spec[0])(
+            rngs.params(), (E, D, 2 * F), dtype))
+        self.experts_down = nnx.Param(nnx.with_partitioning(init, spec[1])(
+            rngs.params(), (E, F, D), dtype))
         self.act = ACTIVATIONS[config.hidden_act]
         shared = shared_intermediate_size > 0
         self.shared_expert = (GatedMLP(config, dtype=dtype, rngs=rngs,
@@ -233,8 +290,12 @@ class SparseMoeBlock(nnx.Module):
     def __call__(self, x: jax.Array, slots: jax.Array | None = None) -> jax.Array:
         """x: f[T, D] -> f[T, D]; `slots` (LoRA) are not taken by MoE layers."""
         weights, ids = route(self.router(x), self.routing)
-        out = experts_forward(x, weights, ids, self.experts_gate_up[...],
-                              self.experts_down[...], self.act, self.path)
+        gate_up, down = self.experts_gate_up[...], self.experts_down[...]
+        if self.mesh is not None:
+            out = experts_parallel(self.mesh, x, weights, ids, gate_up, down, self.act,
+                                   self.path)
+        else:
+            out = experts_forward(x, weights, ids, gate_up, down, self.act, self.path, self.tp)
         if self.shared_expert is not None:
             out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.astype(x.dtype)

@@ -38,6 +38,9 @@ MODELS = {  # name -> (transformers class names, config overrides)
                   dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "llama-kv8": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=8)),
     "qwen2-kv2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    # 8 experts, top-2: each expert's hidden units split (TP), or whole experts (EP)
+    "mixtral-kv2": ("MixtralConfig", "MixtralForCausalLM",
+                    dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)),
 }
 
 
@@ -85,9 +88,11 @@ def tp_results(tp_models, orbax_model, tmp_path_factory) -> dict:
     runs += [[str(tp_models["llama-kv2"]), tp, kv] for kv in ("int8", "fp8") for tp in (1, 4)]
     updates = [[str(tp_models["llama-kv2"]), 4], [str(tp_models["qwen2-kv2"]), 2]]
     multi_step = [[str(tp_models["llama-kv2"]), 4], [str(tp_models["qwen2-kv2"]), 2]]
+    expert_parallel = [[str(tp_models["mixtral-kv2"]), tp] for tp in (2, 4, 8)]
     return run_worker({"runs": runs + [[str(orbax_model), 4]],
                        "hlo": str(tp_models["llama-kv2"]), "shards": str(orbax_model),
-                       "updates": updates, "multi_step": multi_step},
+                       "updates": updates, "multi_step": multi_step,
+                       "expert_parallel": expert_parallel},
                       cache_dir=tmp_path_factory.mktemp("tp-compile-cache"))
 
 
@@ -97,6 +102,15 @@ def test_greedy_ids_equal_one_device(tp_results, model, tp):
     ids = tp_results["ids"]
     assert ids[f"{model}/{tp}"] == ids[f"{model}/1"]
     assert all(len(x) == 8 for x in ids[f"{model}/1"])
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_expert_parallel_equals_one_device(tp_results, tp):
+    """`enable_expert_parallel`: each device holds 8 / tp whole experts (layer 0's shards
+    [8 / tp, D, 2F]), runs its experts' pairs, and one all-reduce sums them: the greedy ids of
+    one device."""
+    assert tp_results["expert_shards"][f"mixtral-kv2/{tp}"] == [[8 // tp, 64, 256]] * tp
+    assert tp_results["ids"][f"mixtral-kv2/{tp}/ep"] == tp_results["ids"]["mixtral-kv2/1"]
 
 
 @pytest.mark.parametrize("model, tp", [("llama-kv2", 4), ("qwen2-kv2", 2)])

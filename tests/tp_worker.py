@@ -4,12 +4,14 @@ start): `python tp_worker.py JSON_ARGS`; prints one JSON line of results.
 JSON_ARGS: {"runs": [[model dir, tp(, kv_cache_dtype)], ...], "backend": name,
 "hlo": dir or null, "shards": dir or null,
 "distributed": [coordinator, num_processes, process_id] or null, "updates": [[model dir, tp], ...],
-"multi_step": [[model dir, tp], ...]}.
+"multi_step": [[model dir, tp], ...], "expert_parallel": [[model dir, tp], ...]}.
 Results: greedy ids and the pool arrays' shardings ("pools") by "<dir name>/<tp>" (with
 "/<kv_cache_dtype>" when the run names one); for "hlo", the compiled step's collectives; for
 "shards", where each parameter's shards lie; for "updates", the ids after new weights went into
 a TP engine and a one-device engine (`updates`); for "multi_step", the ids with
-`num_scheduler_steps=4` ("<dir name>/<tp>/steps4") and whether a multi-step call ran.
+`num_scheduler_steps=4` ("<dir name>/<tp>/steps4") and whether a multi-step call ran; for
+"expert_parallel", the ids with `enable_expert_parallel` ("<dir name>/<tp>/ep") and the shapes
+of layer 0's expert shards.
 """
 
 import json
@@ -125,6 +127,13 @@ for model, tp, *kv_cache_dtype in args["runs"]:
             "qkv": str(params["layers"][0]["self_attn"]["qkv_proj"]["kernel"].sharding.spec)}
     if args.get("shards") == model:
         out["shards"] = shards(engine)
+for model, tp in args.get("expert_parallel", []):  # `enable_expert_parallel`
+    engine_llm = llm(model, tp, enable_expert_parallel=True)
+    ids = [o.outputs[0].token_ids for o in engine_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    out["ids"][f"{os.path.basename(model)}/{tp}/ep"] = ids
+    gate_up = engine_llm.llm_engine.runner.params["layers"][0]["mlp"]["experts_gate_up"]
+    out.setdefault("expert_shards", {})[f"{os.path.basename(model)}/{tp}"] = [
+        list(x.data.shape) for x in gate_up.addressable_shards]
 for model, tp in args.get("multi_step", []):  # 4 decode steps a call (`num_scheduler_steps`)
     engine_llm = llm(model, tp, num_scheduler_steps=4)
     ids = [o.outputs[0].token_ids for o in engine_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]

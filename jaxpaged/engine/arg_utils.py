@@ -131,6 +131,10 @@ class EngineArgs:
     tensor_parallel_size: int = _option(
         1, "parallel.tensor_parallel_size", "devices to split the model over (tensor "
         "parallelism)", min=1, flags=("-tp",))
+    enable_expert_parallel: bool = _option(
+        False, "parallel.enable_expert_parallel", "a Mixture-of-Experts model's experts split "
+        "whole over the tensor_parallel_size devices (E / tp each) instead of each expert's "
+        "hidden units")
     coordinator_address: str | None = _option(
         None, "parallel.coordinator_address", "host:port of process 0, where the processes "
         "meet (jax.distributed)", group="processes")
@@ -177,8 +181,8 @@ class EngineArgs:
         hints = typing.get_type_hints(type(self))
         for field in dataclasses.fields(self):
             _check(field, hints[field.name], getattr(self, field.name))
-        ParallelConfig(self.tensor_parallel_size, self.coordinator_address, self.num_processes,
-                       self.process_id)
+        ParallelConfig(self.tensor_parallel_size, coordinator_address=self.coordinator_address,
+                       num_processes=self.num_processes, process_id=self.process_id)
 
     # -- LLM(**kwargs) ---------------------------------------------------------------------
 

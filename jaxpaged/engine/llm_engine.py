@@ -64,7 +64,8 @@ class LLMEngine:
         self.scheduler_config = config.scheduler
         # Tensor parallelism: the model and the pool split over a mesh (`distributed.parallel`).
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
-        self.model_config = load_config(model_dir).for_tensor_parallel(tensor_parallel_size)
+        self.model_config = load_config(model_dir).for_tensor_parallel(
+            tensor_parallel_size, config.parallel.enable_expert_parallel)
         self.dtype = current_platform().resolve_dtype(config.model.dtype)
         self.quantization = config.quantization.method
         check_quantization(self.quantization)
