@@ -97,7 +97,8 @@ def experts_grouped(x, weights, ids, gate_up, down, act, tp: int = 1, tile: int 
     T, D = x.shape
     E, k = gate_up.shape[0], ids.shape[1]
     n = T * k
-    num_tiles = -(-n // tile) + E  # each expert leaves less than one tile unfilled
+    # Each expert used leaves less than one tile unfilled, and at most min(n, E) are used.
+    num_tiles = -(-n // tile) + min(n, E)
     flat = ids.reshape(n)
     order = jnp.argsort(flat, stable=True)  # pairs by expert, each expert's by token
     expert = flat[order]

@@ -20,7 +20,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxpaged.models.loader import (LoadPlan, Piece, match_checkpoint, open_safetensors,
-                                    read_pieces)
+                                    read_pieces, stack_experts)
 
 PARAMS_DIR = "params"  # the orbax checkpoint inside a converted model folder
 
@@ -67,7 +67,7 @@ def save_orbax(model_cls, config, hf_dir: str | Path, plan: LoadPlan, out_dir: s
     Raises:
       ValueError: the safetensors do not match the model (`loader.match_checkpoint`).
     """
-    readers = open_safetensors(hf_dir)
+    readers = stack_experts(open_safetensors(hf_dir), model_cls)
     shapes = {key: tuple(reader.get_shape()) for key, reader in readers.items()}
     sources = match_checkpoint(model_cls, config, plan, shapes)
     arrays = read_pieces(readers, plan, sources, mesh=None)

@@ -2,7 +2,10 @@
 they follow: for each family's router (Mixtral, Qwen2-MoE / Qwen3-MoE with and without
 `norm_topk_prob`, OLMoE, Granite MoE) the same experts picked for every token and the routed
 experts' output within 1e-5 (float32) on the dense, gathered and grouped paths, at step sizes
-on both sides of `GATHER_MAX_PAIRS` and with experts no token picks."""
+on both sides of `GATHER_MAX_PAIRS` and with experts no token picks; and a tiny Mixtral
+engine's greedy ids through an orbax checkpoint, speculative decoding and batch-invariant
+mode. (The families against transformers: tests/test_families.py; TP and expert parallelism:
+tests/test_tensor_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from jaxpaged import SamplingParams
 from jaxpaged.models import moe
 from jaxpaged.models.layers import ACTIVATIONS
 
@@ -144,3 +148,37 @@ def test_the_block_with_its_shared_expert_equals_qwen2_moe(num_tokens):
         ref = block(torch.from_numpy(x)[None]).numpy()[0]
     np.testing.assert_allclose(np.asarray(ours_block(jnp.asarray(x))), ref, rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory, tiny_model_dir):
+    """A random 2-layer Mixtral (8 experts, top-2) saved with `save_pretrained`."""
+    import torch
+    import transformers
+
+    from conftest import TINY_CONFIG, copy_tokenizer
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-mixtral")
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **TINY_CONFIG, num_local_experts=8, num_experts_per_tok=2)).save_pretrained(path)
+    copy_tokenizer(tiny_model_dir, path)
+    return path
+
+
+def test_mixtral_keeps_its_greedy_ids_through_orbax_speculation_and_batch_invariance(
+        make_llm, tiny_mixtral, tmp_path):
+    """The experts stacked from an orbax checkpoint (`jaxpaged convert`), an n-gram proposer
+    verified by an MoE target, and batch-invariant mode: the greedy ids of the plain engine."""
+    from jaxpaged.models.registry import convert_to_orbax
+
+    prompts = ["Hello there my friend, hello there", "1 2 3 4 5 6 7 8 9 10 1 2 3"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    generate = lambda llm: [o.outputs[0].token_ids
+                            for o in llm.generate(prompts, params, use_tqdm=False)]
+    ref = generate(make_llm(tiny_mixtral))
+    convert_to_orbax(tiny_mixtral, tmp_path / "orbax")
+    assert generate(make_llm(tmp_path / "orbax")) == ref
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    assert generate(make_llm(tiny_mixtral, speculative_config=ngram)) == ref
+    assert generate(make_llm(tiny_mixtral, batch_invariant=True)) == ref

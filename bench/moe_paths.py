@@ -1,0 +1,85 @@
+"""The three Mixture-of-Experts expert paths (`models.moe`) against each other, one layer's
+experts at a time, by step size: which one the engine should take where.
+
+    python bench/moe_paths.py                  # E=32 experts, top-4, D=1024, F=512
+    python bench/moe_paths.py --experts 8 --top-k 2 --hidden 1024 --intermediate 1408
+
+Random float32 tokens, weights and router logits; each path jitted alone; for each step size
+the paths run in turns (`--rounds`, median of each), the dense and gathered paths only up to
+`--dense-max-tokens` and `--gathered-max-tokens` (they grow with E x T and k x T matrices). Writes bench/results/moe-paths.json: per step size each path's time in
+ms and the fastest, beside `moe.choose_path`'s pick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 256, 1024])
+    p.add_argument("--dense-max-tokens", type=int, default=256)
+    p.add_argument("--gathered-max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--out", type=Path, default=RESULTS / "moe-paths.json")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpaged.models import moe
+    from jaxpaged.models.layers import ACTIVATIONS
+
+    E, k, D, F = args.experts, args.top_k, args.hidden, args.intermediate
+    rng = np.random.default_rng(0)
+    gate_up = jnp.asarray(rng.standard_normal((E, D, 2 * F)) * D ** -0.5, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((E, F, D)) * F ** -0.5, jnp.float32)
+    act = ACTIVATIONS["silu"]
+    fns = {path: jax.jit(lambda x, w, i, gu, dn, path=path: moe.experts_forward(
+        x, w, i, gu, dn, act, path)) for path in moe.PATHS}
+    rows = []
+    for T in args.tokens:
+        x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+        weights, ids = moe.route(jnp.asarray(rng.standard_normal((T, E)), jnp.float32),
+                                 moe.Routing(k))
+        paths = [p for p in moe.PATHS if (p != "dense" or T <= args.dense_max_tokens)
+                 and (p != "gathered" or T <= args.gathered_max_tokens)]
+        for path in paths:  # compile and warm
+            jax.block_until_ready(fns[path](x, weights, ids, gate_up, down))
+        times = {path: [] for path in paths}
+        for r in range(args.rounds):
+            for path in paths[r % len(paths):] + paths[:r % len(paths)]:
+                start = time.perf_counter()
+                jax.block_until_ready(fns[path](x, weights, ids, gate_up, down))
+                times[path].append(time.perf_counter() - start)
+        ms = {path: 1e3 * statistics.median(t) for path, t in times.items()}
+        row = {"tokens": T, "pairs": T * k, "ms": ms, "fastest": min(ms, key=ms.get),
+               "engine_picks": moe.choose_path(T, k)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report = {"config": {"experts": E, "top_k": k, "hidden": D, "intermediate": F,
+                         "expert_bytes": 3 * D * F * 4, "rounds": args.rounds,
+                         "gather_max_pairs": moe.GATHER_MAX_PAIRS, "group_tile": moe.GROUP_TILE,
+                         "cpu": platform.processor() or platform.machine(),
+                         "devices": str(jax.devices())},
+              "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
