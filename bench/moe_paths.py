@@ -66,12 +66,13 @@ def main(argv=None) -> dict:
                 times[path].append(time.perf_counter() - start)
         ms = {path: 1e3 * statistics.median(t) for path, t in times.items()}
         row = {"tokens": T, "pairs": T * k, "ms": ms, "fastest": min(ms, key=ms.get),
-               "engine_picks": moe.choose_path(T, k)}
+               "engine_picks": moe.choose_path(T, k, E)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     report = {"config": {"experts": E, "top_k": k, "hidden": D, "intermediate": F,
                          "expert_bytes": 3 * D * F * 4, "rounds": args.rounds,
-                         "gather_max_pairs": moe.GATHER_MAX_PAIRS, "group_tile": moe.GROUP_TILE,
+                         "gather_max_pairs": moe.GATHER_MAX_PAIRS,
+                         "dense_max_rows": moe.DENSE_MAX_ROWS, "group_tile": moe.GROUP_TILE,
                          "cpu": platform.processor() or platform.machine(),
                          "devices": str(jax.devices())},
               "rows": rows}

@@ -12,14 +12,15 @@ The router's logits and probabilities are float32, as HF computes them.
 The experts (`experts_forward`), each `down(act(gate(x)) * up(x))`, with `gate_up: f[E, D, 2F]`
 (gate then up on the output axis) and `down: f[E, F, D]`:
   - "dense": every expert on every token, weighted by a [T, E] matrix that is 0 off each
-    token's k experts. E times the work; the reference in tests.
+    token's k experts: E / k times the work, each expert read once; the reference in tests,
+    and on CPU the fastest for steps of a few dozen tokens.
   - "gathered": each token's k experts' matrices gathered per token ([T, k, D, 2F]), for steps
     of a few tokens (decode), which read only the experts they use.
   - "grouped": the T * k (token, expert) pairs sorted by expert and laid out in tiles of
     `GROUP_TILE` rows, each tile one expert's (MegaBlocks' block-sparse layout, Gale et al.
     2022, section 5: no capacity factor, no dropped token; at most one partly filled tile per
     expert), then one batched matmul over the tiles with each tile's expert's matrices.
-`experts_forward` picks by the step's static size (`GATHER_MAX_PAIRS`).
+`experts_forward` picks by the step's static size (`choose_path`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,13 @@ from jax.sharding import PartitionSpec as P
 from jaxpaged.models.layers import ACTIVATIONS, GatedMLP, linear
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS
 
-# Steps whose (token, expert) pairs number at most this gather each pair's expert matrices
-# (decode steps of a few sequences); larger ones sort the pairs into per-expert tiles.
+# The path by step size (`choose_path`), from `bench/moe_paths.py` on a 2-core Zen 4
+# (bench/results/moe-paths.json; XLA's paths, which copy the expert matrices they gather):
+# steps of at most GATHER_MAX_PAIRS (token, expert) pairs gather their experts; then, while
+# tokens x experts is at most DENSE_MAX_ROWS, every expert on every token (one read of each
+# expert, no copy) beats sorting; larger steps sort the pairs into per-expert tiles.
 GATHER_MAX_PAIRS = 16
+DENSE_MAX_ROWS = 4096
 GROUP_TILE = 32  # rows of one expert's tile on the grouped path
 PATHS = ("dense", "gathered", "grouped")
 
@@ -118,9 +123,12 @@ def experts_grouped(x, weights, ids, gate_up, down, act, tp: int = 1, tile: int 
     return jnp.zeros((T, D), out.dtype).at[token].add(out[row] * pair_weight[:, None])
 
 
-def choose_path(num_tokens: int, top_k: int) -> str:
-    """The path `experts_forward` takes for a step of `num_tokens` tokens (static)."""
-    return "gathered" if num_tokens * top_k <= GATHER_MAX_PAIRS else "grouped"
+def choose_path(num_tokens: int, top_k: int, num_experts: int) -> str:
+    """The path `experts_forward` takes for a step of `num_tokens` tokens (static; see
+    `GATHER_MAX_PAIRS`)."""
+    if num_tokens * top_k <= GATHER_MAX_PAIRS:
+        return "gathered"
+    return "dense" if num_tokens * num_experts <= DENSE_MAX_ROWS else "grouped"
 
 
 def experts_forward(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
@@ -141,7 +149,7 @@ def experts_forward(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
     Raises:
       ValueError: an unknown path.
     """
-    path = path or choose_path(x.shape[0], ids.shape[1])
+    path = path or choose_path(x.shape[0], ids.shape[1], gate_up.shape[0])
     if path not in PATHS:
         raise ValueError(f"MoE path {path!r} is not one of {PATHS}")
     fn = {"dense": experts_dense, "gathered": experts_gathered, "grouped": experts_grouped}
@@ -153,7 +161,7 @@ def experts_parallel(mesh, x, weights, ids, gate_up, down, act, path: str | None
     parallelism: device s holds experts s * E / tp ..): each device runs the pairs of its own
     experts (the others' with weight 0) on the replicated tokens, and one all-reduce sums the
     devices' outputs."""
-    path = path or choose_path(x.shape[0], ids.shape[1])
+    path = path or choose_path(x.shape[0], ids.shape[1], gate_up.shape[0])
 
     def local(x, weights, ids, gate_up, down):
         E = gate_up.shape[0]

@@ -110,8 +110,9 @@ def test_grouped_path_with_unused_experts_and_one_expert_for_all():
 
 
 def test_the_path_is_chosen_by_step_size_and_a_bad_one_is_named():
-    assert moe.choose_path(1, 2) == "gathered"
-    assert moe.choose_path(moe.GATHER_MAX_PAIRS // 2 + 1, 2) == "grouped"
+    assert moe.choose_path(1, 2, 32) == "gathered"
+    assert moe.choose_path(moe.GATHER_MAX_PAIRS // 2 + 1, 2, 32) == "dense"
+    assert moe.choose_path(moe.DENSE_MAX_ROWS // 32 + 1, 2, 32) == "grouped"
     x = jnp.zeros((2, 4))
     with pytest.raises(ValueError, match="MoE path 'sparse'"):
         moe.experts_forward(x, jnp.ones((2, 1)), jnp.zeros((2, 1), jnp.int32),
