@@ -6,8 +6,9 @@ experts at a time, by step size: which one the engine should take where.
 
 Random float32 tokens, weights and router logits; each path jitted alone; for each step size
 the paths run in turns (`--rounds`, median of each), the dense and gathered paths only up to
-`--dense-max-tokens` and `--gathered-max-tokens` (they grow with E x T and k x T matrices). Writes bench/results/moe-paths.json: per step size each path's time in
-ms and the fastest, beside `moe.choose_path`'s pick.
+`--dense-max-tokens` and `--gathered-max-tokens` (they grow with E x T and k x T matrices).
+Writes bench/results/moe-paths.json: per step size each path's time in ms and the fastest,
+beside `moe.choose_path`'s pick.
 """
 
 from __future__ import annotations
