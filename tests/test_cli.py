@@ -74,3 +74,15 @@ def test_serve_the_default_model_to_the_openai_client(default_model_dir):
         server.wait(timeout=60)
 
 
+
+
+def test_serve_decodes_one_step_a_call_unless_told():
+    """`jaxpaged serve` takes num_scheduler_steps 1 (a request arriving during a multi-step
+    call would wait for it); --num-scheduler-steps overrides; LLM's default (8) is LLM's."""
+    from jaxpaged.entrypoints.cli import _engine_args, build_parser
+
+    parse = build_parser().parse_args
+    assert _engine_args(parse(["serve"]), serving=True).num_scheduler_steps == 1
+    told = parse(["serve", "--num-scheduler-steps", "4"])
+    assert _engine_args(told, serving=True).num_scheduler_steps == 4
+    assert _engine_args(parse(["serve"])).num_scheduler_steps is None  # LLM resolves it
