@@ -37,8 +37,10 @@ class ModelConfig(Protocol):
 
     tensor_parallel_size: int  # devices the model is split over (heads, MLP, vocabulary)
 
-    def for_tensor_parallel(self, tp: int) -> "ModelConfig":
-        """The config split over tp devices (KV heads repeated where fewer than tp)."""
+    def for_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> "ModelConfig":
+        """The config split over tp devices (KV heads repeated where fewer than tp; a
+        Mixture-of-Experts model's experts split by hidden unit, or whole with
+        `expert_parallel`, which a model without experts refuses with a ValueError)."""
 
     def attention_spec(self, layer: int) -> AttentionSpec:
         """Layer `layer`'s attention: scale, sliding window, logit soft-cap."""

@@ -115,8 +115,8 @@ class Attention(nnx.Module):
     """Grouped-query attention over the paged pool, as `spec` says (scale, sliding window,
     soft-cap) through `backend`. With `qk_norm`, q and k go through a per-head RMSNorm
     (weight f[H]) before RoPE (`Qwen3Attention`); with `qk_norm="full"`, through one RMSNorm
-    over all heads each (f[N * H], f[K * H]: `OlmoeAttention`). `qkv_proj_lora` / `o_proj_lora`: adapter
-    slots (`models.lora`), set by `enable_lora`."""
+    over all heads each (f[N * H], f[K * H]: `OlmoeAttention`). `qkv_proj_lora` /
+    `o_proj_lora`: adapter slots (`models.lora`), set by `enable_lora`."""
 
     qkv_proj_lora = o_proj_lora = None
 

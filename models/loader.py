@@ -266,9 +266,11 @@ class StackedReader:
                                  f"{self.shape[1:]} cannot be stacked")
 
     def get_shape(self) -> tuple[int, ...]:
+        """(E, *one expert's tensor's shape)."""
         return self.shape
 
     def __getitem__(self, index) -> np.ndarray:
+        """The experts `index[0]` selects (stacked on axis 0), each sliced by `index[1:]`."""
         index = index if isinstance(index, tuple) else (index,)
         first, rest = (index[0], index[1:]) if index else (slice(None), ())
         return np.stack([np.asarray(self.readers[e][rest] if rest else self.readers[e][:])

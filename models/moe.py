@@ -82,7 +82,7 @@ def _expert_mlp(x, gate_up, down, act, tp: int = 1):
 
 
 def experts_dense(x, weights, ids, gate_up, down, act, tp: int = 1):
-    """Every expert on every token: f[T, D]."""
+    """Every expert on every token: f[T, D] (arguments as `experts_forward`'s)."""
     E = gate_up.shape[0]
     dense = jnp.zeros((x.shape[0], E), jnp.float32).at[
         jnp.arange(x.shape[0])[:, None], ids].add(weights)
@@ -92,13 +92,14 @@ def experts_dense(x, weights, ids, gate_up, down, act, tp: int = 1):
 
 
 def experts_gathered(x, weights, ids, gate_up, down, act, tp: int = 1):
-    """Each token's k experts' matrices gathered: f[T, D]."""
+    """Each token's k experts' matrices gathered: f[T, D] (arguments as `experts_forward`'s)."""
     out = _expert_mlp(x[:, None, :], gate_up[ids], down[ids], act, tp)  # [T, k, D]
     return jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype))
 
 
 def experts_grouped(x, weights, ids, gate_up, down, act, tp: int = 1, tile: int = GROUP_TILE):
-    """The (token, expert) pairs sorted by expert into tiles of `tile` rows: f[T, D]."""
+    """The (token, expert) pairs sorted by expert into tiles of `tile` rows: f[T, D]
+    (arguments as `experts_forward`'s)."""
     T, D = x.shape
     E, k = gate_up.shape[0], ids.shape[1]
     n = T * k
@@ -232,6 +233,7 @@ class MoeSpec:
         return dataclasses.replace(self, expert_parallel=expert_parallel)
 
     def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` (from 0) has this MoE MLP (else a dense one)."""
         return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
 
 

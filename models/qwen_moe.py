@@ -36,12 +36,13 @@ SHARED_EXPERT_NAME_MAP = (
 )
 
 
-def qwen_moe_spec(d: dict[str, Any]) -> MoeSpec:
-    """The MoE part of a Qwen2-MoE / Qwen3-MoE config.json (HF's defaults where absent)."""
+def qwen_moe_spec(d: dict[str, Any], defaults: tuple[int, int, int]) -> MoeSpec:
+    """The MoE part of a Qwen2-MoE / Qwen3-MoE config.json; `defaults`: the HF config class's
+    (experts, moe_intermediate_size, num_experts_per_tok) for keys it omits."""
     # transformers 5 writes `num_local_experts` for Qwen3-MoE, 4.x and Qwen2-MoE `num_experts`
-    num_experts = d.get("num_local_experts") or d.get("num_experts", 60)
-    return MoeSpec(num_experts, d.get("moe_intermediate_size", 1408),
-                   Routing(d.get("num_experts_per_tok", 4),
+    num_experts = d.get("num_local_experts") or d.get("num_experts", defaults[0])
+    return MoeSpec(num_experts, d.get("moe_intermediate_size", defaults[1]),
+                   Routing(d.get("num_experts_per_tok", defaults[2]),
                            renormalize=bool(d.get("norm_topk_prob", False))),
                    shared_intermediate_size=d.get("shared_expert_intermediate_size") or 0,
                    sparse_step=d.get("decoder_sparse_step", 1),
@@ -56,7 +57,7 @@ class Qwen2MoeConfig(Qwen2Config):
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "Qwen2MoeConfig":
-        return dataclasses.replace(super().from_hf_dict(d), moe=qwen_moe_spec(d))
+        return dataclasses.replace(super().from_hf_dict(d), moe=qwen_moe_spec(d, (60, 1408, 4)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Qwen3MoeConfig(Qwen3Config):
         if d.get("shared_expert_intermediate_size"):
             raise ValueError("Qwen3-MoE has no shared expert: shared_expert_intermediate_size="
                              f"{d['shared_expert_intermediate_size']!r}")
-        return dataclasses.replace(super().from_hf_dict(d), moe=qwen_moe_spec(d))
+        return dataclasses.replace(super().from_hf_dict(d), moe=qwen_moe_spec(d, (128, 768, 8)))
 
 
 class Qwen2MoeForCausalLM(MoeModel, Qwen2ForCausalLM):

@@ -4,10 +4,10 @@ compiles nothing, and a changed model shape, dtype or damaged file never reuses 
 XLA compiles are counted with JAX's own event `/jax/core/compile/backend_compile_duration`,
 recorded with the function's name for every executable JAX compiles; an executable loaded by
 jaxpaged's cache records none. The engine's programs are the model step (`model_step`), the
-multi-step decoding call (`multi_step`) and the sampler (`sample`); the small helpers around them (the weights' layout, the pool's zeros, row
-gathers: a few tenths of a second in all) compile in every process (JAX's own persistent cache
-stays off: `jaxpaged/compilation_cache.py` says why).
-"""
+multi-step decoding call (`multi_step`) and the sampler (`sample`); the small helpers around
+them (the weights' layout, the pool's zeros, row gathers: a few tenths of a second in all)
+compile in every process (JAX's own persistent cache stays off: `jaxpaged/compilation_cache.py`
+says why)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Multi-step decoding (`num_scheduler_steps`, `jaxpaged.worker.multi_step`): k decode steps
-run in one device call give the outputs of k single steps (greedy ids equal, logprobs within
-1e-5) across batching, a waiting queue, chunked prefill, preemption, stop tokens and strings,
+"""Multi-step decoding (`num_scheduler_steps`, `jaxpaged.worker.multi_step`): k decode steps run in
+one device call give the outputs of k single steps (greedy ids equal, cumulative logprobs within
+1e-4) across batching, a waiting queue, chunked prefill, preemption, stop tokens and strings,
 forked completions and requests it does not apply to; the scheduler books k tokens' slots and
 gives back those a stopped sequence leaves. KV blocks are all free after each engine
 (`make_llm`'s leak check)."""
@@ -161,11 +161,26 @@ def test_scheduler_books_k_slots_and_gives_back_a_stopped_sequences():
 
 def test_scheduler_runs_single_steps_while_a_sequence_cannot_take_k():
     bm = BlockManager(num_blocks=16, block_size=4)
-    sched = Scheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=K), bm,
+    sched = Scheduler(SchedulerConfig(max_model_len=9, num_scheduler_steps=K), bm,
                       multi_step=lambda seq: True)
-    short, = _running(sched, 1, prompt_len=5, max_tokens=K)  # K - 1 tokens left
+    short, = _running(sched, 1, prompt_len=6, max_tokens=20)  # room for 2 before max_model_len
     assert sched.schedule().num_steps == 1
     sched.finish(short, "abort")
-    seq, = _running(sched, 1, prompt_len=5, max_tokens=20)
+    seq, = _running(sched, 1, prompt_len=3, max_tokens=20)
     sched.add(Sequence("w", 0, [1, 2, 3], SamplingParams(max_tokens=5), seed=0))
     assert sched.schedule().num_steps == 1  # something waits: it joins the next step
+
+
+def test_a_sequence_reaching_max_tokens_in_a_call_drops_its_later_draws():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=K), bm,
+                      multi_step=lambda seq: True)
+    a, b = _running(sched, 2, prompt_len=7, max_tokens=20)
+    b.params = SamplingParams(temperature=0, max_tokens=3)  # 2 tokens left: fewer than K
+    out = sched.schedule()
+    assert out.num_steps == K
+    draws = [[SampledToken(t, -0.5, 1, None) for t in (5, 6, 7, 8)] for _ in range(2)]
+    sched.update_from_output(out, draws)
+    assert a.output_token_ids == [100, 5, 6, 7, 8]
+    assert b.output_token_ids == [100, 5, 6] and b.finish_reason == "length"
+    assert bm.num_free_blocks == 16 - len(a.block_table)

@@ -193,17 +193,16 @@ class Scheduler:
 
     def _schedule_multi_step(self, out: SchedulerOutput) -> bool:
         """Schedules `num_scheduler_steps` decode steps of every running sequence, if nothing
-        waits, each decodes, may (`multi_step`), has that many tokens left before `max_tokens`
-        and `max_model_len`, and the free blocks hold all their slots; else changes nothing."""
+        waits, each decodes, may (`multi_step`), has room for that many tokens before
+        `max_model_len`, and the free blocks hold all their slots; else changes nothing. (One
+        that reaches `max_tokens` or a stop sooner drops its later draws.)"""
         k, running = self.config.num_scheduler_steps, self.running
         if (k == 1 or self.multi_step is None or self.waiting or not running
                 or len(running) > self.config.max_num_batched_tokens):
             return False
-        for seq in running:
-            left = self.config.max_model_len - seq.num_tokens
-            if seq.params.max_tokens is not None:
-                left = min(left, seq.params.max_tokens - seq.num_output_tokens)
-            if (not _is_decode(seq) or seq.spec_token_ids or left < k
+        for seq in running:  # a sequence that reaches max_tokens sooner drops its later draws
+            if (not _is_decode(seq) or seq.spec_token_ids
+                    or self.config.max_model_len - seq.num_tokens < k
                     or self._passes_recompute_length(seq) or not self.multi_step(seq)):
                 return False
         bm = self.block_manager
@@ -399,6 +398,8 @@ class Scheduler:
         appended = []
         for token in tokens:
             seq.num_computed_tokens += 1
+            # Blocks filled join the prefix cache before a stop frees them, as a single step's.
+            self.block_manager.cache_full_blocks(seq)
             self._append(seq, token)
             appended.append((seq, token))
             if seq.is_finished:

@@ -101,11 +101,8 @@ class ModelRunner:
             # Each row's greedy draw: plain greedy decoding then needs no sampler call.
             return logits, None if all_positions else sampler.greedy_draw(logits), kv_cache
 
-        # Decode steps run in a row in one call (`multi_step`; the scheduler's num_steps).
-        self.num_scheduler_steps = 1
-        self._multi_step = jit_multi_step(graphdef, treedef, None if self.mesh is None else (
-            [x.sharding for x in self.param_leaves], self.kv_cache.spec.sharding,
-            self.replicated))
+        self.num_scheduler_steps = 1  # decode steps a call (`multi_step`; the scheduler's)
+        self._multi_step = jit_multi_step(self)
         if self.mesh is None:
             self._step = jax.jit(model_step, donate_argnums=1, static_argnums=3)
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0)

@@ -77,13 +77,14 @@ def multi_step(graphdef, treedef, leaves: list[jax.Array], kv_cache, first_ids: 
     return draws, kv_cache
 
 
-def jit_multi_step(graphdef, treedef, shardings: tuple | None = None):
-    """`multi_step` jitted with the pool donated; `shardings`: (params', pool's, replicated)
-    under tensor parallelism (the draws come back replicated), else None."""
-    fn = functools.partial(multi_step, graphdef, treedef)
-    if shardings is None:
+def jit_multi_step(runner):
+    """`multi_step` jitted for `runner`'s model with the pool donated; under tensor
+    parallelism with the parameters' and the pool's shardings, the draws replicated."""
+    fn = functools.partial(multi_step, runner.graphdef, runner.param_treedef)
+    if runner.mesh is None:
         return jax.jit(fn, donate_argnums=1)
-    params, pool, replicated = shardings
+    params = [x.sharding for x in runner.param_leaves]
+    pool, replicated = runner.kv_cache.spec.sharding, runner.replicated
     return jax.jit(fn, donate_argnums=1,
                    in_shardings=(params, pool, replicated, replicated),
                    out_shardings=((replicated, replicated), pool))
