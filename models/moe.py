@@ -19,7 +19,8 @@ The experts (`experts_forward`), each `down(act(gate(x)) * up(x))`, with `gate_u
   - "grouped": the T * k (token, expert) pairs sorted by expert and laid out in tiles of
     `GROUP_TILE` rows, each tile one expert's (MegaBlocks' block-sparse layout, Gale et al.
     2022, section 5: no capacity factor, no dropped token; at most one partly filled tile per
-    expert), then one batched matmul over the tiles with each tile's expert's matrices.
+    expert), then batched matmuls over `GROUP_CHUNK` tiles at a time with each tile's expert's
+    matrices (copied: the chunks bound that copy to GROUP_CHUNK experts whatever the step).
 `experts_forward` picks by the step's static size (`choose_path`).
 """
 
@@ -43,6 +44,7 @@ from jaxpaged.pallas_kernels.backends import MODEL_AXIS
 GATHER_MAX_PAIRS = 16
 DENSE_MAX_ROWS = 4096
 GROUP_TILE = 32  # rows of one expert's tile on the grouped path
+GROUP_CHUNK = 16  # tiles the grouped path multiplies at once
 PATHS = ("dense", "gathered", "grouped")
 
 
@@ -118,8 +120,16 @@ def experts_grouped(x, weights, ids, gate_up, down, act, tp: int = 1, tile: int 
     # Tile t belongs to the expert whose tiles cover it; tiles past the last hold zeros.
     tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles), jnp.arange(num_tiles),
                                                side="right"), E - 1)
-    out = _expert_mlp(rows.reshape(num_tiles, tile, D), gate_up[tile_expert][:, None],
-                      down[tile_expert][:, None], act, tp).reshape(num_tiles * tile, D)
+    # GROUP_CHUNK tiles at a time, so that the experts' matrices copied for the tiles take at
+    # most that many experts' memory whatever the step's size.
+    num_chunks = -(-num_tiles // GROUP_CHUNK)
+    chunk = -(-num_tiles // num_chunks)
+    pad = num_chunks * chunk - num_tiles
+    rows = jnp.pad(rows, ((0, pad * tile), (0, 0))).reshape(num_chunks, chunk, tile, D)
+    experts = jnp.pad(tile_expert, (0, pad)).reshape(num_chunks, chunk)
+    out = jax.lax.map(lambda c: _expert_mlp(c[0], gate_up[c[1]][:, None], down[c[1]][:, None],
+                                            act, tp), (rows, experts))
+    out = out.reshape(-1, D)[:num_tiles * tile]
     pair_weight = weights.reshape(n)[order].astype(out.dtype)
     return jnp.zeros((T, D), out.dtype).at[token].add(out[row] * pair_weight[:, None])
 
