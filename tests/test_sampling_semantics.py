@@ -78,7 +78,9 @@ def test_stop_string_spanning_two_tokens(tiny_llm):
         assert out.token_ids == full.token_ids[:5]
 
 
-def test_partial_text_holds_back_a_possible_stop_string(tiny_llm):
+def test_partial_text_holds_back_a_possible_stop_string(make_llm, tiny_model_dir):
+    # One token a step, as a server streams them (`num_scheduler_steps` 1: `jaxpaged serve`'s).
+    tiny_llm = make_llm(tiny_model_dir, max_num_seqs=8, num_scheduler_steps=1)
     engine = tiny_llm.llm_engine
     full = tiny_llm.generate("held back", SamplingParams(temperature=0, max_tokens=6,
                                                         ignore_eos=True),
