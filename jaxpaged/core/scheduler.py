@@ -379,22 +379,15 @@ class Scheduler:
         self.num_spec_drafts += 1
         self.num_spec_draft_tokens += len(spec)
         self.num_spec_accepted_tokens += accepted
-        seq.num_computed_tokens += 1 + accepted  # its last token and the accepted proposals
-        appended = []
-        for token in tokens:
-            self._append(seq, token)
-            appended.append((seq, token))
-            if seq.is_finished:
-                return appended
-        self.block_manager.trim(seq)
-        self.block_manager.cache_full_blocks(seq)
-        return appended
+        # Its last token and the accepted proposals were computed: each token's predecessor.
+        return self._append_steps(seq, tokens)
 
     def _append_steps(self, seq: Sequence, tokens: list[Sampled]
                       ) -> list[tuple[Sequence, Sampled]]:
-        """Books a row of a multi-step decode: each step computed the row's last token and
-        drew `tokens[i]`; each is appended and checked, up to one that ends the sequence, and
-        the slots past its tokens are given back. Returns (seq, token) for each appended."""
+        """Books a row whose step computed the predecessor of each of `tokens` (a multi-step
+        decode, or verified proposals and the draw after them): each token is appended and
+        checked, up to one that ends the sequence, and the slots past its tokens are given
+        back. Returns (seq, token) for each appended."""
         appended = []
         for token in tokens:
             seq.num_computed_tokens += 1
