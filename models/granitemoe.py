@@ -18,23 +18,19 @@ from typing import Any, ClassVar
 
 from jaxpaged.models.config import LlamaConfig
 from jaxpaged.models.llama import LLAMA_NAME_MAP, LlamaForCausalLM
-from jaxpaged.models.moe import MoeModel, MoeSpec, Routing
+from jaxpaged.models.moe import MoeConfig, MoeModel, MoeSpec, Routing
 
 _MOE = "model.layers.{i}.block_sparse_moe"
 
 
 @dataclasses.dataclass(frozen=True)
-class GraniteMoeConfig(LlamaConfig):
+class GraniteMoeConfig(MoeConfig, LlamaConfig):
     ARCHITECTURES: ClassVar[tuple[str, ...]] = ("GraniteMoeForCausalLM",)
 
-    moe: MoeSpec = MoeSpec(8, 1, Routing(2))  # set from config.json by `from_hf_dict`
-
-    @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "GraniteMoeConfig":
-        config = super().from_hf_dict(d)
-        return dataclasses.replace(config, moe=MoeSpec(
-            d.get("num_local_experts", 8), config.intermediate_size,
-            Routing(d.get("num_experts_per_tok", 2), softmax_first=False)))
+    @staticmethod
+    def read_moe(d: dict[str, Any], config) -> MoeSpec:
+        return MoeSpec(d.get("num_local_experts", 8), config.intermediate_size,
+                       Routing(d.get("num_experts_per_tok", 2), softmax_first=False))
 
 
 class GraniteMoeForCausalLM(MoeModel, LlamaForCausalLM):

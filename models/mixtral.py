@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from jaxpaged.models.config import LlamaConfig
 from jaxpaged.models.llama import LLAMA_NAME_MAP, LlamaForCausalLM
-from jaxpaged.models.moe import MoeModel, MoeSpec, Routing
+from jaxpaged.models.moe import MoeConfig, MoeModel, MoeSpec, Routing
 
 _MOE = "model.layers.{i}.block_sparse_moe"
 MIXTRAL_NAME_MAP = tuple(e for e in LLAMA_NAME_MAP if ".mlp." not in e[0]) + (
@@ -30,18 +30,14 @@ MIXTRAL_NAME_MAP = tuple(e for e in LLAMA_NAME_MAP if ".mlp." not in e[0]) + (
 
 
 @dataclasses.dataclass(frozen=True)
-class MixtralConfig(LlamaConfig):
+class MixtralConfig(MoeConfig, LlamaConfig):
     ARCHITECTURES: ClassVar[tuple[str, ...]] = ("MixtralForCausalLM",)
     DEFAULT_ROPE_THETA: ClassVar[float] = 1e6
 
-    moe: MoeSpec = MoeSpec(8, 1, Routing(2))  # set from config.json by `from_hf_dict`
-
-    @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "MixtralConfig":
-        config = super().from_hf_dict(d)
-        return dataclasses.replace(config, moe=MoeSpec(
-            d.get("num_local_experts", 8), config.intermediate_size,
-            Routing(d.get("num_experts_per_tok", 2))))
+    @staticmethod
+    def read_moe(d: dict[str, Any], config) -> MoeSpec:
+        return MoeSpec(d.get("num_local_experts", 8), config.intermediate_size,
+                       Routing(d.get("num_experts_per_tok", 2)))
 
 
 class MixtralForCausalLM(MoeModel, LlamaForCausalLM):

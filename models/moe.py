@@ -247,6 +247,24 @@ class MoeSpec:
         return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
 
 
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """What a Mixture-of-Experts family's config adds to its base config (listed first among
+    its bases): `moe`, read from config.json by the family's `read_moe(d, config)`."""
+
+    moe: MoeSpec = MoeSpec(8, 1, Routing(2))  # set from config.json by `from_hf_dict`
+
+    @classmethod
+    def from_hf_dict(cls, d: dict):
+        config = super().from_hf_dict(d)
+        return dataclasses.replace(config, moe=cls.read_moe(d, config))
+
+    @staticmethod
+    def read_moe(d: dict, config) -> MoeSpec:
+        """The MoE part of config.json `d` (`config`: the rest, read)."""
+        raise NotImplementedError
+
+
 class MoeModel:
     """What a Mixture-of-Experts family adds to `LlamaForCausalLM` (listed first among its
     bases): each sparse layer's `SparseMoeBlock` from `config.moe`, and the widths of the

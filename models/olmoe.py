@@ -14,24 +14,27 @@ from typing import Any, ClassVar
 
 from jaxpaged.models.config import LlamaConfig
 from jaxpaged.models.llama import LLAMA_NAME_MAP, QK_NORM_NAME_MAP, LlamaForCausalLM
-from jaxpaged.models.moe import EXPERT_TENSORS, EXPERTS_NAME_MAP, MoeModel, MoeSpec, Routing
+from jaxpaged.models.moe import (EXPERT_TENSORS, EXPERTS_NAME_MAP, MoeConfig, MoeModel, MoeSpec,
+                                  Routing)
 
 
 @dataclasses.dataclass(frozen=True)
-class OlmoeConfig(LlamaConfig):
+class OlmoeConfig(MoeConfig, LlamaConfig):
     ARCHITECTURES: ClassVar[tuple[str, ...]] = ("OlmoeForCausalLM",)
 
-    moe: MoeSpec = MoeSpec(8, 1, Routing(2))  # set from config.json by `from_hf_dict`
     clip_qkv: float | None = None
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "OlmoeConfig":
-        config = super().from_hf_dict(d)
         clip = d.get("clip_qkv")
-        return dataclasses.replace(config, clip_qkv=None if clip is None else float(clip), moe=(
-            MoeSpec(d.get("num_experts", 64), config.intermediate_size,
-                    Routing(d.get("num_experts_per_tok", 8),
-                            renormalize=bool(d.get("norm_topk_prob", False))))))
+        return dataclasses.replace(super().from_hf_dict(d),
+                                   clip_qkv=None if clip is None else float(clip))
+
+    @staticmethod
+    def read_moe(d: dict[str, Any], config) -> MoeSpec:
+        return MoeSpec(d.get("num_experts", 64), config.intermediate_size,
+                       Routing(d.get("num_experts_per_tok", 8),
+                               renormalize=bool(d.get("norm_topk_prob", False))))
 
 
 class OlmoeForCausalLM(MoeModel, LlamaForCausalLM):

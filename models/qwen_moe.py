@@ -19,8 +19,8 @@ import dataclasses
 from typing import Any, ClassVar
 
 from jaxpaged.models.llama import LLAMA_NAME_MAP, QK_NORM_NAME_MAP, LlamaForCausalLM
-from jaxpaged.models.moe import (EXPERT_TENSORS, EXPERTS_NAME_MAP, MoeModel, MoeSpec,
-                                  Routing)
+from jaxpaged.models.moe import (EXPERT_TENSORS, EXPERTS_NAME_MAP, MoeConfig, MoeModel,
+                                  MoeSpec, Routing)
 from jaxpaged.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from jaxpaged.models.qwen3 import Qwen3Config
 
@@ -50,28 +50,24 @@ def qwen_moe_spec(d: dict[str, Any], defaults: tuple[int, int, int]) -> MoeSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen2MoeConfig(Qwen2Config):
+class Qwen2MoeConfig(MoeConfig, Qwen2Config):
     ARCHITECTURES: ClassVar[tuple[str, ...]] = ("Qwen2MoeForCausalLM",)
 
-    moe: MoeSpec = MoeSpec(8, 1, Routing(2))  # set from config.json by `from_hf_dict`
-
-    @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "Qwen2MoeConfig":
-        return dataclasses.replace(super().from_hf_dict(d), moe=qwen_moe_spec(d, (60, 1408, 4)))
+    @staticmethod
+    def read_moe(d: dict[str, Any], config) -> MoeSpec:
+        return qwen_moe_spec(d, (60, 1408, 4))
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3MoeConfig(Qwen3Config):
+class Qwen3MoeConfig(MoeConfig, Qwen3Config):
     ARCHITECTURES: ClassVar[tuple[str, ...]] = ("Qwen3MoeForCausalLM",)
 
-    moe: MoeSpec = MoeSpec(8, 1, Routing(2))  # set from config.json by `from_hf_dict`
-
-    @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "Qwen3MoeConfig":
+    @staticmethod
+    def read_moe(d: dict[str, Any], config) -> MoeSpec:
         if d.get("shared_expert_intermediate_size"):
             raise ValueError("Qwen3-MoE has no shared expert: shared_expert_intermediate_size="
                              f"{d['shared_expert_intermediate_size']!r}")
-        return dataclasses.replace(super().from_hf_dict(d), moe=qwen_moe_spec(d, (128, 768, 8)))
+        return qwen_moe_spec(d, (128, 768, 8))
 
 
 class Qwen2MoeForCausalLM(MoeModel, Qwen2ForCausalLM):
