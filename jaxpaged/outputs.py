@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclasses.dataclass
@@ -27,6 +31,11 @@ class CompletionOutput:
     # request: `RequestOutput.error` says which), or None while running
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # `SamplingParams.return_routed_experts`: numpy i16[N - 1, L_moe, k], the k experts (most
+    # likely first) each of the completion's N prompt and output tokens but the last was routed
+    # to at each of the model's L_moe MoE layers, in layer order (vLLM's field); with
+    # `RequestOutputKind.DELTA`, the rows added since the last output. None otherwise.
+    routed_experts: "np.ndarray | None" = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -64,6 +64,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # A JSON schema, regex, choice or grammar the output must follow (`structured_outputs`).
     structured_outputs: StructuredOutputsParams | None = None
+    # Mixture-of-Experts models: each completion's `routed_experts`, the experts every token
+    # (prompt and output, all but the last) was routed to at each MoE layer, for routing
+    # replay in RL training (`worker.routed_experts`).
+    return_routed_experts: bool = False
     stop_strings: StopStrings | None = dataclasses.field(  # the automaton over `stop`
         default=None, init=False, repr=False, compare=False)
 
@@ -126,7 +130,7 @@ class SamplingParams:
                     _is_int(t) and t >= 0 for t in self.allowed_token_ids):
                 bad("allowed_token_ids", "must be a non-empty list of non-negative ints")
         for field in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
-                      "spaces_between_special_tokens"):
+                      "spaces_between_special_tokens", "return_routed_experts"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be a bool")
         if not isinstance(self.output_kind, RequestOutputKind):

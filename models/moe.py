@@ -26,6 +26,8 @@ The experts (`experts_forward`), each `down(act(gate(x)) * up(x))`, with `gate_u
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -68,6 +70,28 @@ def route(logits: jax.Array, routing: Routing) -> tuple[jax.Array, jax.Array]:
     if routing.renormalize:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     return top, ids
+
+
+# The list each MoE layer appends its expert ids to while `recording_routes` is active.
+_ROUTES: contextvars.ContextVar[list | None] = contextvars.ContextVar("routes", default=None)
+
+
+@contextlib.contextmanager
+def recording_routes():
+    """Within it, every `SparseMoeBlock` the model runs appends its i32[T, k] expert ids (most
+    likely first) to the list it yields, in layer order: a trace-time side channel that leaves
+    the models' signatures alone. `stacked_routes` turns the list into one array."""
+    routes = []
+    token = _ROUTES.set(routes)
+    try:
+        yield routes
+    finally:
+        _ROUTES.reset(token)
+
+
+def stacked_routes(routes: list[jax.Array]) -> jax.Array | None:
+    """i32[L_moe, T, k] of the ids `recording_routes` collected (None: a model without MoE)."""
+    return jnp.stack(routes).astype(jnp.int32) if routes else None
 
 
 def _split_gate_up(h: jax.Array, tp: int) -> tuple[jax.Array, jax.Array]:
@@ -329,6 +353,8 @@ class SparseMoeBlock(nnx.Module):
     def __call__(self, x: jax.Array, slots: jax.Array | None = None) -> jax.Array:
         """x: f[T, D] -> f[T, D]; `slots` (LoRA) are not taken by MoE layers."""
         weights, ids = route(self.router(x), self.routing)
+        if (recorded := _ROUTES.get()) is not None:
+            recorded.append(ids)
         gate_up, down = self.experts_gate_up[...], self.experts_down[...]
         if self.mesh is not None:
             out = experts_parallel(self.mesh, x, weights, ids, gate_up, down, self.act,

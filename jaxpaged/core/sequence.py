@@ -72,6 +72,10 @@ class Sequence:
         # Structured outputs: the grammar's state after this sequence's output tokens
         # (`llguidance.LLMatcher`), None when the request has no constraint.
         self.matcher = None
+        # `SamplingParams.return_routed_experts`: i16[capacity, L_moe, k] the expert ids of
+        # its first `num_routed` positions (`worker.routed_experts`), else None.
+        self.routed_experts = None
+        self.num_routed = 0
         # `LLM.completion_logprobs`: the tokens from this index on are scored, not generated.
         self.scoring: Scoring | None = None
         # Speculative decoding (`jaxpaged.spec_decode`): the proposals of the step being built,
@@ -121,6 +125,9 @@ class Sequence:
         child.priority, child.arrival = self.priority, self.arrival
         child.lora, child.lora_slot = self.lora, self.lora_slot
         child.matcher = None if self.matcher is None else self.matcher.deep_copy()
+        if self.routed_experts is not None:
+            child.routed_experts = self.routed_experts.copy()
+            child.num_routed = self.num_routed
         return child
 
     def __repr__(self) -> str:

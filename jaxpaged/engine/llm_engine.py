@@ -14,7 +14,7 @@ from flax import nnx
 from jaxpaged.worker import compilation_cache
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.config import EngineConfig
-from jaxpaged.errors import EngineDeadError
+from jaxpaged.errors import EngineDeadError, InvalidRequestError
 from jaxpaged.engine.faults import FaultIsolatingExecutor, describe
 from jaxpaged.engine.embedding import Embedder
 from jaxpaged.engine.output_processor import OutputProcessor
@@ -97,8 +97,10 @@ class LLMEngine:
                                           config.model.seed)
         self.input_processor = self.processor.input_processor  # tokenizing, chat templates
         self.think_token_ids = self.processor.think_token_ids  # (<think>, </think>) or None
-        self.eos_token_ids = self.runner.eos_token_ids = eos_token_ids(
-            model_dir, self.model_config.eos_token_ids, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(model_dir, self.model_config.eos_token_ids,
+                                           self.tokenizer)
+        # The tokens min_tokens masks besides each request's stop_token_ids.
+        self.runner.input_batch.eos_token_ids = list(self.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
         self.lora = (LoRAManager(config.lora, self.runner, sites, self.model_cls,
@@ -149,7 +151,8 @@ class LLMEngine:
           `max_num_batched_tokens` (it is computed in one step); a request id in use; an
           invalid `structured_outputs` schema, regex or grammar; a `priority` that is not an
           int, or not 0 under the "fcfs" policy; an adapter that cannot be read, or any
-          `lora_request` without `enable_lora`.
+          `lora_request` without `enable_lora`; `return_routed_experts` on a model without
+          Mixture-of-Experts layers.
           RuntimeError: the engine is asleep.
           EngineDeadError: a fatal fault stopped the engine.
         """
@@ -157,6 +160,11 @@ class LLMEngine:
         self.processor.check_priority(priority)
         self.weights.check_awake()
         lora = resolve_lora(self.lora, lora_request)
+        if isinstance(params, SamplingParams) and params.return_routed_experts \
+                and self.runner.routes is None:
+            raise InvalidRequestError("return_routed_experts", f"return_routed_experts needs a "
+                                      f"Mixture-of-Experts model; {self.model_cls.__name__} "
+                                      f"has none")
         request = self.processor.make_request(prompt, params, request_id, priority,
                                               self.requests)
         request.seqs[0].lora = lora

@@ -15,6 +15,7 @@ from jaxpaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.engine.stop_strings import StopStringState
+from jaxpaged.worker.routed_experts import routes_of
 
 
 @dataclasses.dataclass
@@ -37,6 +38,7 @@ class Request:
     # reported, and whether the prompt's part (prompt_logprobs) was.
     sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     sent_prompt: bool = False
+    sent_routes: dict[int, int] = dataclasses.field(default_factory=dict)  # rows, by index
 
     @property
     def finished(self) -> bool:
@@ -63,7 +65,12 @@ class Request:
             # Text that may still become a stop string is held back until it is decided.
             held = 0 if s.is_finished or stop_state is None else stop_state.num_held_back
             end = len(d.text) - held
+            routes = routes_of(s)
             if kind is RequestOutputKind.DELTA:
+                if routes is not None:
+                    rows = self.sent_routes.get(s.index, 0)
+                    self.sent_routes[s.index] = len(routes)
+                    routes = routes[rows:]
                 tokens, chars = self.sent.get(s.index, (0, 0))
                 first = s.num_prompt_tokens + tokens
                 token_ids, text = s.token_ids[first:], d.text[chars:end]
@@ -74,7 +81,7 @@ class Request:
                 logprobs = None if s.logprobs is None else s.logprobs[:]
             completions.append(CompletionOutput(
                 index if finished else s.index, text, token_ids, s.cumulative_logprob,
-                logprobs, s.finish_reason, s.stop_reason))
+                logprobs, s.finish_reason, s.stop_reason, routes))
         prompt_logprobs = self.prompt_logprobs
         if kind is RequestOutputKind.DELTA:
             prompt_logprobs = None if self.sent_prompt else prompt_logprobs

@@ -5,10 +5,11 @@ token axis of T tokens, T padded to a bucket (steps of 1.5x; see `buckets.bucket
 attention backend (`pallas_kernels.backends`) adds how it reads the cached blocks. A step's
 shapes depend on T (and, for the Pallas backends, whether it only decodes) alone, so the
 shapes under given limits are few and `precompile` compiles them all. One jitted step
-`(params, kv_cache, ModelInput) -> (logits, greedy draws, kv_cache)` runs with the pool
-donated, then the jitted sampler, unless every draw is a plain greedy one, which the step
-made itself; only the sampled token ids come back to the host. A scheduled multi-step decode
-(`SchedulerOutput.num_steps` k > 1) runs k steps in one call instead (`multi_step`).
+`(params, kv_cache, ModelInput) -> (logits, greedy draws, routes, kv_cache)` runs with the
+pool donated, then the jitted sampler unless every draw is a plain greedy one, which the step
+made itself; only the sampled token ids (and an MoE model's expert ids, `routed_experts`)
+come back to the host. A scheduled multi-step decode (`SchedulerOutput.num_steps` k > 1) runs
+k steps in one call instead (`multi_step`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from jaxpaged.config import CacheConfig
 from jaxpaged.models import ModelInput, forward
 from jaxpaged.models.loader import flat_params
 from jaxpaged.models.lora import LoRA
+from jaxpaged.models.moe import recording_routes, stacked_routes
 from jaxpaged.models.quantization import activation_modes
 from jaxpaged.pallas_kernels import StepLimits, copy_blocks
 from jaxpaged.sample.sampler import (SampledToken, SamplingMetadata, prompt_logprobs,
@@ -42,6 +44,7 @@ from jaxpaged.core.sequence import Sequence
 from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.multi_step import jit_multi_step, multi_step_jobs, run_steps
 from jaxpaged.worker.params import placed_params
+from jaxpaged.worker.routed_experts import RoutedExperts
 from jaxpaged.worker.prompt_logprobs import (collect_prompt_logprobs, score, scored_tokens,
                                              wants_prompt_logprobs)
 
@@ -90,16 +93,19 @@ class ModelRunner:
         self.mesh = self.backend.mesh  # tensor parallelism's, or None: one device
         self.kv_cache = KVCache(KVCacheSpec.for_model(self.config, kv_cache_dtype, num_blocks,
                                                       self.block_size, self.mesh))
+        self.routes = RoutedExperts.for_model(model, num_blocks, self.block_size)
         # The step takes the parameters as their flat list of arrays (`param_leaves`): jax
         # flattens a list in C++, an `nnx.State` of Variables in Python (a millisecond a step).
         graphdef = self.graphdef
         self.replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
 
         def model_step(leaves, kv_cache, batch, all_positions):
-            logits, kv_cache = forward(graphdef, jax.tree.unflatten(treedef, leaves), kv_cache,
-                                       batch, all_positions)
+            with recording_routes() as routes:
+                logits, kv_cache = forward(graphdef, jax.tree.unflatten(treedef, leaves),
+                                           kv_cache, batch, all_positions)
             # Each row's greedy draw: plain greedy decoding then needs no sampler call.
-            return logits, None if all_positions else sampler.greedy_draw(logits), kv_cache
+            return (logits, None if all_positions else sampler.greedy_draw(logits),
+                    stacked_routes(routes), kv_cache)
 
         self.num_scheduler_steps = 1  # decode steps a call (`multi_step`; the scheduler's)
         self._multi_step = jit_multi_step(self)
@@ -114,7 +120,7 @@ class ModelRunner:
             params = [x.sharding for x in self.param_leaves]
             self._step = jax.jit(model_step, donate_argnums=1, static_argnums=3,
                                  in_shardings=(params, pool, self.replicated),
-                                 out_shardings=(self.replicated, self.replicated, pool))
+                                 out_shardings=(*[self.replicated] * 3, pool))
             self._copy_blocks = jax.jit(copy_blocks, donate_argnums=0, out_shardings=pool)
         # The step's and the sampler's executables by their inputs' shapes: compiled or loaded,
         # or None for one that `precompile` found in the compilation cache's folder and left
@@ -136,15 +142,6 @@ class ModelRunner:
         self.input_batch = InputBatch(
             max(max_num_seqs, self.limits.max_seq_slots), self.limits.max_blocks_per_seq,
             self.config.vocab_size, eos_token_ids, self.replicated)
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        """The tokens min_tokens masks besides each request's stop_token_ids."""
-        return self.input_batch.eos_token_ids
-
-    @eos_token_ids.setter
-    def eos_token_ids(self, ids) -> None:
-        self.input_batch.eos_token_ids = list(ids)
 
     # -- weights and memory (the research API: `LLM.update_params`, `LLM.sleep`) -------------
 
@@ -226,9 +223,10 @@ class ModelRunner:
                 jitted, args, static_args, static_kwargs, load=False)
 
     def _run_step(self, batch: ModelInput, all_positions: bool = False
-                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """Runs the model step on `batch` and keeps the updated pool; returns the logits and,
-        unless `all_positions`, each logits row's greedy draw (`sampler.greedy_draw`)."""
+                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, jax.Array | None]:
+        """Runs the model step on `batch` and keeps the updated pool; returns the logits,
+        unless `all_positions` each logits row's greedy draw (`sampler.greedy_draw`), and an
+        MoE model's i32[L_moe, T, k] expert ids (`models.moe.stacked_routes`)."""
         args = (self.param_leaves, self.kv_cache.pool, batch)
         *out, self.kv_cache.pool = self._executable(self._step, args, all_positions)(*args)
         return tuple(out)
@@ -260,15 +258,13 @@ class ModelRunner:
     def precompile(self, shapes: list[tuple[int, bool]], progress: bool = True,
                    sampler_variants: bool = True, spec_tokens: int = 0) -> None:
         """Compiles the model step ahead of time for each (T, decode_only) of `step_shapes`,
-        and (with `sampler_variants`) the sampler's default variants (`sampler.precompile`), so
-        that serving compiles nothing new (and multi-step decoding's, `multi_step_jobs`). With
-        `spec_tokens`, each shape of 2 to that many
-        tokens also gets the variant that returns logits at every token (`logits_indices`:
-        steps that verify speculative tokens), and the sampler variants cover as many draws.
-        A shape of at most `WARM_UP_TOKENS` tokens is also run once on its padding-only input
-        (nothing is written to the pool): an executable's first run on CPU costs 0.1-0.5 s
-        more than the later ones, which would otherwise land on a request. Larger shapes take
-        seconds a step, and are left to pay it when met."""
+        multi-step decoding's (`multi_step_jobs`) and (with `sampler_variants`) the sampler's
+        default variants (`sampler.precompile`), so that serving compiles nothing new. With
+        `spec_tokens`, each shape of 2 to that many tokens also gets the variant with logits
+        at every token (`logits_indices`: verifying steps), and the sampler's cover as many
+        draws. A shape of at most `WARM_UP_TOKENS` tokens is also run once on its padding-only
+        input (writing nothing): an executable's first run on CPU is slower than later ones,
+        which would otherwise land on a request; larger shapes' steps dwarf that."""
         cache = self.executables
         before = cache.num_compiled, cache.num_on_disk
         batches = [(T, self._padding_batch(T, decode_only)) for T, decode_only in shapes]
@@ -354,7 +350,7 @@ class ModelRunner:
         scored = scored_tokens(out, batch.attention.query_start_loc)
         prompt_lps = {}
         if want or scored:
-            logits, greedy = self._run_step(batch, all_positions=True)
+            logits, greedy, routes = self._run_step(batch, all_positions=True)
             md = batch.attention
             last = (logits_indices if logits_indices is not None else
                     np.minimum(md.query_start_loc[:-1] + np.maximum(md.query_lens - 1, 0),
@@ -370,8 +366,10 @@ class ModelRunner:
             else:
                 logits = sampler.gather_rows(logits, last)
         else:
-            logits, greedy = self._run_step(dataclasses.replace(batch,
-                                                                logits_indices=logits_indices))
+            logits, greedy, routes = self._run_step(dataclasses.replace(
+                batch, logits_indices=logits_indices))
+        if self.routes is not None:
+            self.routes.record_step(out.seqs, out.num_scheduled_tokens, batch, routes)
         return self._sample_rows(out, logits, greedy, spec, first_logit), prompt_lps
 
     def _sample_rows(self, out: SchedulerOutput, logits: jax.Array, greedy: tuple | None,
@@ -439,6 +437,8 @@ class ModelRunner:
         pairs = copies + [copies[0]] * (next_power_of_2(len(copies)) - len(copies))
         src, dst = (np.asarray(x, np.int32) for x in zip(*pairs))
         self.kv_cache.pool = self._copy_blocks(self.kv_cache.pool, src, dst)
+        if self.routes is not None:
+            self.routes.copy_blocks(src, dst)
 
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int],
                 spec_token_ids: list[list[int]] | None = None) -> ModelInput:

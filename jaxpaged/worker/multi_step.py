@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.models import ModelInput, forward
+from jaxpaged.models.moe import recording_routes, stacked_routes
 from jaxpaged.sample import sampler
 from jaxpaged.sample.sampler import SampledToken
 from jaxpaged.sampling_params import SamplingParams
@@ -58,20 +59,22 @@ def multi_step(graphdef, treedef, leaves: list[jax.Array], kv_cache, first_ids: 
         (their `input_ids` are ignored: step 0 reads `first_ids`, step i + 1 step i's draws).
 
     Returns:
-      ((i32[k, S] each step's argmax per row, f32[k, S] its raw log-probability), kv_cache).
+      ((i32[k, S] each step's argmax per row, f32[k, S] its raw log-probability, an MoE
+      model's i32[k, L_moe, T, k_experts] expert ids or None), kv_cache).
     """
     params = jax.tree.unflatten(treedef, leaves)
     T = first_ids.shape[0]
 
     def step(carry, batch):
         ids, kv_cache = carry
-        logits, kv_cache = forward(graphdef, params, kv_cache,
-                                   dataclasses.replace(batch, input_ids=ids))
+        with recording_routes() as routes:
+            logits, kv_cache = forward(graphdef, params, kv_cache,
+                                       dataclasses.replace(batch, input_ids=ids))
         tokens, logprobs = sampler.greedy_draw(logits)
         # Row r's token sits at position r of a decode step; the padding rows' draws land on
         # padding tokens, which write nothing.
         ids = jnp.zeros((T,), jnp.int32).at[:min(T, tokens.shape[0])].set(tokens[:T])
-        return (ids, kv_cache), (tokens, logprobs)
+        return (ids, kv_cache), (tokens, logprobs, stacked_routes(routes))
 
     (_, kv_cache), draws = jax.lax.scan(step, (first_ids, kv_cache), steps)
     return draws, kv_cache
@@ -87,7 +90,7 @@ def jit_multi_step(runner):
     pool, replicated = runner.kv_cache.spec.sharding, runner.replicated
     return jax.jit(fn, donate_argnums=1,
                    in_shardings=(params, pool, replicated, replicated),
-                   out_shardings=((replicated, replicated), pool))
+                   out_shardings=((replicated,) * 3, pool))
 
 
 def prepare_steps(runner, seqs, k: int) -> tuple[np.ndarray, ModelInput] | None:
@@ -142,8 +145,12 @@ def run_steps(runner, out) -> list[list] | None:
     if prepared is None:
         return None
     args = (runner.param_leaves, runner.kv_cache.pool, *prepared)
-    (tokens, logprobs), runner.kv_cache.pool = runner._executable(runner._multi_step, args)(
-        *args)
+    (tokens, logprobs, routes), runner.kv_cache.pool = runner._executable(
+        runner._multi_step, args)(*args)
+    if runner.routes is not None:
+        starts = np.fromiter((s.num_computed_tokens for s in out.seqs), np.int32, len(out.seqs))
+        runner.routes.record_steps(out.seqs, starts, prepared[1].attention.slot_mapping,
+                                   np.asarray(jax.device_get(routes)))
     tokens, logprobs = (x.T.tolist() for x in jax.device_get((tokens, logprobs)))
     return [[SampledToken(t, lp, 1, None) for t, lp in zip(tokens[row], logprobs[row])]
             for row in range(len(out.seqs))]
