@@ -75,36 +75,9 @@ def random_q4_k(rows, cols, seed=0):
     return blocks.reshape(rows, cols // 256 * 144)
 
 
-def write_gguf(path, arch, model, *, tokenizer, quant=None, name=None):
-    """Writes the transformers `model` as llama.cpp does for `arch`; `quant`: {HF name: type}."""
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    if name:
-        w.add_name(name)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rope = cfg.rope_parameters
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope
-                         else rope["rope_theta"])
-    if arch in ("llama", "phi3"):
-        w.add_rope_dimension_count(head_dim)
-    if arch == "llama":
-        w.add_vocab_size(cfg.vocab_size)
-    if arch in ("qwen3", "gemma2", "gemma3"):
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    if arch in ("gemma2", "gemma3"):
-        w.add_sliding_window(cfg.sliding_window)
-    if arch == "gemma2":
-        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
-        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quant else gguf.LlamaFileType.ALL_F32)
+def add_tokenizer(w, tokenizer, arch):
+    """Writes the tiny "gpt2" (byte-level BPE) or sentencepiece ("spm") vocabulary and its
+    special tokens as llama.cpp does; returns the tokens."""
     if tokenizer == "gpt2":
         tokens, types, merges = byte_level_vocab()
         w.add_tokenizer_model("gpt2")
@@ -130,13 +103,64 @@ def write_gguf(path, arch, model, *, tokenizer, quant=None, name=None):
         w.add_pad_token_id(0)
         w.add_add_bos_token(True)
         w.add_add_eos_token(False)
+    return tokens
+
+
+def add_moe_metadata(w, arch, cfg):
+    """The expert counts (and the Qwen MoE files' expert FFN sizes) convert_hf_to_gguf.py
+    writes for a config with experts."""
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch in ("qwen2moe", "qwen3moe"):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def write_gguf(path, arch, model, *, tokenizer, quant=None, name=None, tensors=None):
+    """Writes the transformers `model` as llama.cpp does for `arch`; `quant`: {HF name: type};
+    `tensors`: {HF name: f32 array} to write in place of the model's state dict (an MoE's,
+    its experts stacked as convert_hf_to_gguf.py stacks them)."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    if name:
+        w.add_name(name)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = cfg.rope_parameters
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope
+                         else rope["rope_theta"])
+    if arch in ("llama", "phi3"):
+        w.add_rope_dimension_count(head_dim)
+    if arch == "llama":
+        w.add_vocab_size(cfg.vocab_size)
+    if arch in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch in ("gemma2", "gemma3"):
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    add_moe_metadata(w, arch, cfg)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quant else gguf.LlamaFileType.ALL_F32)
+    tokens = add_tokenizer(w, tokenizer, arch)
     assert len(tokens) == cfg.vocab_size
     gguf_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(gguf_arch, cfg.num_hidden_layers)
-    for hf_name, tensor in model.state_dict().items():
+    if tensors is None:
+        tensors = {k: t.detach().float().numpy().copy() for k, t in model.state_dict().items()}
+    for hf_name, data in tensors.items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        data = tensor.detach().float().numpy().copy()
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             kv = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
             data = llama_cpp_permute(data, cfg.num_attention_heads, kv)
@@ -289,10 +313,10 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
     _unsupported_gguf(tmp_path / "falcon.gguf")
     with pytest.raises(ValueError, match="'falcon'") as e:
         import_gguf(tmp_path / "falcon.gguf", tmp_path / "out")
-    for arch in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"):
+    supported = {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe"}
+    for arch in supported:
         assert arch in str(e.value)
-    assert set(SUPPORTED_GGUF_ARCHITECTURES) == {"llama", "qwen2", "qwen3", "gemma2", "gemma3",
-                                                 "phi3"}
+    assert set(SUPPORTED_GGUF_ARCHITECTURES) == supported
     assert not (tmp_path / "out").exists()
 
 
