@@ -201,7 +201,7 @@ async def _parse(request: Request, model: type[pydantic.BaseModel]):
         raise APIError(f"the body must be JSON sent with 'Content-Type: application/json', got "
                        f"{content_type or 'no content type'!r}", 415)
     parsed = parse_body(model, await request.body())
-    ignored = api.ignored_fields(parsed)
+    ignored = ignored_fields(parsed)
     if ignored:  # the names are the client's: quoted, and at most 10 of them
         logger.warning("%s %s: ignored %d unknown field(s): %s", request.method,
                        request.url.path, len(ignored), ", ".join(map(repr, ignored[:10])))
@@ -310,3 +310,15 @@ def _log_like_uvicorn(log_level: str) -> None:
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
         root.addHandler(handler)
     root.setLevel(log_level.upper())
+
+
+def ignored_fields(request: pydantic.BaseModel, path: str = "") -> list[str]:
+    """Dotted paths of the unknown fields anywhere in a parsed request (they were ignored)."""
+    found = [f"{path}{name}" for name in request.model_extra or {}]
+    for name in type(request).model_fields:
+        value = getattr(request, name)
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(item, pydantic.BaseModel):
+                index = f".{i}" if isinstance(value, list) else ""
+                found += ignored_fields(item, f"{path}{name}{index}.")
+    return found

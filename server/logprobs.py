@@ -1,4 +1,5 @@
-"""Log-probabilities in OpenAI's two response formats, from the engine's `{id: Logprob}` dicts.
+"""Log-probabilities in OpenAI's two response formats, from the engine's `{id: Logprob}` dicts
+(and the routed experts, jaxpaged's per-token extension).
 
 Each engine entry holds the top-k tokens (ranks 1..k) and the sampled token, with their
 log-probabilities under the model's distribution and their decoded text.
@@ -6,7 +7,7 @@ log-probabilities under the model's distribution and their decoded text.
 
 from __future__ import annotations
 
-from jaxpaged.outputs import Logprob
+from jaxpaged.outputs import CompletionOutput, Logprob
 from jaxpaged.server import protocol as api
 
 
@@ -48,3 +49,9 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
 def _top_logprob(lp: Logprob) -> dict:
     return {"token": lp.decoded_token, "logprob": lp.logprob,
             "bytes": list(lp.decoded_token.encode("utf-8"))}
+
+
+def routed_experts(c: CompletionOutput) -> list | None:
+    """A choice's `routed_experts` (jaxpaged's extension field): `c.routed_experts` as nested
+    lists [token][MoE layer][k], or None where the request did not ask."""
+    return None if c.routed_experts is None else c.routed_experts.tolist()

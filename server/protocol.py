@@ -7,7 +7,7 @@ structured outputs (`response_format`, vLLM's `structured_outputs` and its older
 Types are strict, as in OpenAI's schema: no string-to-number or number-to-bool coercion (`"4"`
 is not an int, `true` not a number, `"yes"` not a bool), and numbers must be finite. A value
 that fails validation gets a 400 naming the field. Unknown request fields are ignored, as
-OpenAI's own API and vLLM do, and logged (`ignored_fields`).
+OpenAI's own API and vLLM do, and logged (`api_server.ignored_fields`).
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # jaxpaged's: each choice's `routed_experts` (Mixture-of-Experts models; not streamed)
+    return_routed_experts: bool = False
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older
     # guided_* fields; at most one of them.
     response_format: ResponseFormat | None = None
@@ -156,7 +158,11 @@ class _SamplingRequest(_Request):
                         defaults: dict | None = None) -> SamplingParams:
         """Deltas for a stream, the final output alone otherwise; the sampling fields the
         request leaves out from `defaults` (the model's generation config) where it has them;
-        raises ValueError for combinations SamplingParams rejects."""
+        raises ValueError for combinations SamplingParams rejects, and for
+        `return_routed_experts` in a stream."""
+        if self.stream and self.return_routed_experts:
+            raise InvalidRequestError("return_routed_experts", "return_routed_experts is not "
+                                      "streamed: ask for it with stream false")
         value = functools.partial(self.sampling_value, defaults=defaults or {})
         return SamplingParams(
             n=self.n, best_of=best_of, temperature=value("temperature"), top_p=value("top_p"),
@@ -170,6 +176,7 @@ class _SamplingRequest(_Request):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self.logit_bias, structured_outputs=self.constraint(),
+            return_routed_experts=self.return_routed_experts,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
     @property
@@ -340,18 +347,6 @@ class DetokenizeRequest(_Request):
     tokens: TokenIds
 
 
-def ignored_fields(request: BaseModel, path: str = "") -> list[str]:
-    """Dotted paths of the unknown fields anywhere in a parsed request (they were ignored)."""
-    found = [f"{path}{name}" for name in request.model_extra or {}]
-    for name in type(request).model_fields:
-        value = getattr(request, name)
-        for i, item in enumerate(value if isinstance(value, list) else [value]):
-            if isinstance(item, BaseModel):
-                index = f".{i}" if isinstance(value, list) else ""
-                found += ignored_fields(item, f"{path}{name}{index}.")
-    return found
-
-
 # -- responses -------------------------------------------------------------------------------
 
 class ErrorInfo(BaseModel):
@@ -392,6 +387,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: int | str | None = None  # vLLM: the stop token id or string that ended it
+    # jaxpaged's extension (`return_routed_experts`): i16 [prompt and output tokens but the
+    # last][MoE layer][k] expert ids, as `CompletionOutput.routed_experts`
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class CompletionResponse(_Response):
@@ -430,6 +428,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    routed_experts: list[list[list[int]]] | None = None  # as CompletionChoice's
 
 
 class ChatCompletionResponse(_Response):

@@ -4,9 +4,8 @@ Each prompt of a request becomes one engine request (`{request id}-{prompt index
 `i * n + j` is completion `j` of prompt `i`. Every prompt is tokenized, length-checked and added
 before any response byte is sent, so a bad request gets a 400 and leaves nothing queued. A
 streamed request asks the engine for `DELTA` outputs, which become the chunks as they are; any
-other asks for `FINAL_ONLY`. Streams
-carry server-sent events in OpenAI's chunk format and end with `data: [DONE]`; leaving a stream
-early (the client disconnects) aborts its engine requests. A request that fails in the engine
+other asks for `FINAL_ONLY`. Streams carry server-sent events in OpenAI's chunk format and end
+with `data: [DONE]`; leaving a stream early (the client disconnects) aborts its engine requests. A request that fails in the engine
 gets a 500 (or, once streaming, an error event before `[DONE]`) with the reason.
 """
 
@@ -23,7 +22,7 @@ from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server import protocol as api
 from jaxpaged.server.chat_utils import answer_message, has_constraint, template_message
 from jaxpaged.server.errors import APIError, failed_in_engine
-from jaxpaged.server.logprobs import chat_logprobs, completion_logprobs
+from jaxpaged.server.logprobs import chat_logprobs, completion_logprobs, routed_experts
 from jaxpaged.reasoning import ReasoningStream, get_reasoning_parser
 from jaxpaged.server.streams import (Progress, PromptOnly, closing, drop_none_deltas, merge,
                                      sse)
@@ -227,7 +226,7 @@ class OpenAIServing:
             logprobs = completion_logprobs(ids, lps, offset, first_token_text=prompt[2])
         return api.CompletionChoice(index=index, text=prompt[0] + c.text if echo else c.text,
                                     logprobs=logprobs, finish_reason=c.finish_reason,
-                                    stop_reason=c.stop_reason)
+                                    stop_reason=c.stop_reason, routed_experts=routed_experts(c))
 
     def _completion_stream(self, req, request_id, prompts, streams) -> AsyncIterator[str]:
         created = int(time.time())
@@ -330,7 +329,7 @@ class OpenAIServing:
             choices.append(api.ChatChoice(
                 index=c.index, message=message, finish_reason=finish_reason,
                 logprobs=self._chat_logprobs(req, c.token_ids, c.logprobs),
-                stop_reason=c.stop_reason))
+                stop_reason=c.stop_reason, routed_experts=routed_experts(c)))
         return api.ChatCompletionResponse(id=request_id, model=self.model_name,
                                           choices=choices, usage=self._usage([final]))
 

@@ -159,3 +159,29 @@ def test_routes_are_refused_on_a_model_without_experts_and_absent_unless_asked(
         SamplingParams(return_routed_experts=1)
     out = generate(make_llm(moe_model[0]), SamplingParams(max_tokens=2), PROMPTS[:1])
     assert out[0].outputs[0].routed_experts is None
+
+
+def test_the_server_returns_routes_as_its_extension_field(make_llm, moe_model):
+    """`return_routed_experts` on /v1/completions and /v1/chat/completions: each choice's
+    `routed_experts` equals `LLM.generate`'s for the same request; a stream asking for them
+    is a 400 naming the field."""
+    import httpx
+    from server_utils import ServerThread
+
+    path, model = moe_model
+    llm = make_llm(path, num_scheduler_steps=1)
+    params = SamplingParams(temperature=0, max_tokens=6, return_routed_experts=True)
+    [want] = generate(llm, params, PROMPTS[:1])
+    body = {"model": "moe", "max_tokens": 6, "temperature": 0, "return_routed_experts": True}
+    with ServerThread(llm, "moe") as server:
+        r = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": PROMPTS[0]},
+                       timeout=60).json()
+        [choice] = r["choices"]
+        assert choice["routed_experts"] == want.outputs[0].routed_experts.tolist()
+        chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            **body, "messages": [{"role": "user", "content": "Hi"}]}).json()
+        routes = np.asarray(chat["choices"][0]["routed_experts"])
+        assert routes.shape[1:] == want.outputs[0].routed_experts.shape[1:]
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                       json={**body, "prompt": "Hi", "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "return_routed_experts"

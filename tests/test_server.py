@@ -244,6 +244,7 @@ BAD_REQUESTS = [
     ("logit_bias", {"logit_bias": {"not-an-id": 1.0}}),
     ("frequency_penalty", {"frequency_penalty": 3}),
     ("min_tokens", {"min_tokens": 5, "max_tokens": 2}),
+    ("return_routed_experts", {"return_routed_experts": True}),  # no experts; never streamed
 ]
 
 
