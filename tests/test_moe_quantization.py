@@ -30,7 +30,7 @@ E, D, F, K = 6, 32, 24, 2
 
 
 def random_experts(seed: int = 0):
-    """(x-independent) float experts gate_up f32[E, D, 2F], down f32[E, F, D]."""
+    """Random float experts: gate_up f32[E, D, 2F], down f32[E, F, D]."""
     rng = np.random.default_rng(seed)
     return (jnp.asarray(rng.standard_normal((E, D, 2 * F)), jnp.float32),
             jnp.asarray(rng.standard_normal((E, F, D)), jnp.float32))
