@@ -22,6 +22,11 @@ The experts (`experts_forward`), each `down(act(gate(x)) * up(x))`, with `gate_u
     expert), then batched matmuls over `GROUP_CHUNK` tiles at a time with each tile's expert's
     matrices (copied: the chunks bound that copy to GROUP_CHUNK experts whatever the step).
 `experts_forward` picks by the step's static size (`choose_path`).
+
+Quantized experts (`models.quantization`) keep `gate_up: i8[E, D, 2F]` and `down: i8[E, F, D]`
+with symmetric scales per expert and output channel (`scales`: `f32[E, 2F]`, `f32[E, D]`): each
+path gathers or reads the int8 matrices, widens them to the activations' dtype in the matmul and
+scales its output (`(x @ q) * s`, which is `x @ (q * s)` up to rounding, s being per column).
 """
 
 from __future__ import annotations
@@ -101,29 +106,47 @@ def _split_gate_up(h: jax.Array, tp: int) -> tuple[jax.Array, jax.Array]:
     return gate.reshape(*h.shape[:-1], -1), up.reshape(*h.shape[:-1], -1)
 
 
-def _expert_mlp(x, gate_up, down, act, tp: int = 1):
-    """`down(act(gate) * up)` for rows x: f[..., D] and matrices batched alike."""
-    gate, up = _split_gate_up(jnp.einsum("...d,...df->...f", x, gate_up), tp)
-    return jnp.einsum("...f,...fd->...d", act(gate) * up, down)
+def _matmul(spec: str, a: jax.Array, w: jax.Array, scale) -> jax.Array:
+    """einsum(spec, a, w) in a's dtype; w int8 (scale given: its per output column scales,
+    broadcast to the product's shape) or float (scale None)."""
+    if scale is None:
+        return jnp.einsum(spec, a, w)
+    return (jnp.einsum(spec, a, w.astype(a.dtype)) * scale).astype(a.dtype)
 
 
-def experts_dense(x, weights, ids, gate_up, down, act, tp: int = 1):
+def _expert_mlp(x, gate_up, down, act, tp: int = 1, scales=None):
+    """`down(act(gate) * up)` for rows x: f[..., D] and matrices batched alike (scales: theirs,
+    batched alike, or None)."""
+    gate_up_scale, down_scale = scales or (None, None)
+    gate, up = _split_gate_up(_matmul("...d,...df->...f", x, gate_up, gate_up_scale), tp)
+    return _matmul("...f,...fd->...d", act(gate) * up, down, down_scale)
+
+
+def _take(scales, index):
+    """The scales of the experts `index` picks, or None."""
+    return None if scales is None else tuple(s[index] for s in scales)
+
+
+def experts_dense(x, weights, ids, gate_up, down, act, tp: int = 1, scales=None):
     """Every expert on every token: f[T, D] (arguments as `experts_forward`'s)."""
     E = gate_up.shape[0]
     dense = jnp.zeros((x.shape[0], E), jnp.float32).at[
         jnp.arange(x.shape[0])[:, None], ids].add(weights)
-    gate, up = _split_gate_up(jnp.einsum("td,edf->etf", x, gate_up), tp)
-    out = jnp.einsum("etf,efd->etd", act(gate) * up, down)
+    gate_up_scale, down_scale = _take(scales, (slice(None), None)) or (None, None)  # [E, 1, N]
+    gate, up = _split_gate_up(_matmul("td,edf->etf", x, gate_up, gate_up_scale), tp)
+    out = _matmul("etf,efd->etd", act(gate) * up, down, down_scale)
     return jnp.einsum("etd,te->td", out, dense.astype(out.dtype))
 
 
-def experts_gathered(x, weights, ids, gate_up, down, act, tp: int = 1):
+def experts_gathered(x, weights, ids, gate_up, down, act, tp: int = 1, scales=None):
     """Each token's k experts' matrices gathered: f[T, D] (arguments as `experts_forward`'s)."""
-    out = _expert_mlp(x[:, None, :], gate_up[ids], down[ids], act, tp)  # [T, k, D]
+    out = _expert_mlp(x[:, None, :], gate_up[ids], down[ids], act, tp,
+                      _take(scales, ids))  # [T, k, D]
     return jnp.einsum("tkd,tk->td", out, weights.astype(out.dtype))
 
 
-def experts_grouped(x, weights, ids, gate_up, down, act, tp: int = 1, tile: int = GROUP_TILE):
+def experts_grouped(x, weights, ids, gate_up, down, act, tp: int = 1, scales=None,
+                    tile: int = GROUP_TILE):
     """The (token, expert) pairs sorted by expert into tiles of `tile` rows: f[T, D]
     (arguments as `experts_forward`'s)."""
     T, D = x.shape
@@ -151,9 +174,13 @@ def experts_grouped(x, weights, ids, gate_up, down, act, tp: int = 1, tile: int 
     pad = num_chunks * chunk - num_tiles
     rows = jnp.pad(rows, ((0, pad * tile), (0, 0))).reshape(num_chunks, chunk, tile, D)
     experts = jnp.pad(tile_expert, (0, pad)).reshape(num_chunks, chunk)
-    out = jax.lax.map(lambda c: _expert_mlp(c[0], gate_up[c[1]][:, None], down[c[1]][:, None],
-                                            act, tp), (rows, experts))
-    out = out.reshape(-1, D)[:num_tiles * tile]
+
+    def run_chunk(c):  # one chunk's tiles [chunk, tile, D] by their experts [chunk]
+        rows, ids = c
+        return _expert_mlp(rows, gate_up[ids][:, None], down[ids][:, None], act, tp,
+                           _take(scales, (ids, None)))
+
+    out = jax.lax.map(run_chunk, (rows, experts)).reshape(-1, D)[:num_tiles * tile]
     pair_weight = weights.reshape(n)[order].astype(out.dtype)
     return jnp.zeros((T, D), out.dtype).at[token].add(out[row] * pair_weight[:, None])
 
@@ -167,16 +194,20 @@ def choose_path(num_tokens: int, top_k: int, num_experts: int) -> str:
 
 
 def experts_forward(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
-                    down: jax.Array, act, path: str | None = None, tp: int = 1) -> jax.Array:
+                    down: jax.Array, act, path: str | None = None, tp: int = 1,
+                    scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """The routed experts' weighted sum for each token.
 
     Args:
       x: f[T, D] tokens.
       weights, ids: f32[T, k], i32[T, k] from `route`.
-      gate_up: f[E, D, 2F] each expert's gate then up projection; down: f[E, F, D].
+      gate_up: f[E, D, 2F] each expert's gate then up projection; down: f[E, F, D]; or
+        int8 (i8[E, D, 2F], i8[E, F, D]) with `scales`.
       act: the activation (`models.layers.ACTIVATIONS`).
       path: one of `PATHS`; None: `choose_path`.
       tp: the shards gate_up's columns are laid out by (tensor parallelism, `models.layers`).
+      scales: int8 experts' (f32[E, 2F], f32[E, D]), per expert and output channel
+        (`models.quantization`); None: float experts.
 
     Returns:
       f[T, D] in the matmuls' dtype.
@@ -188,27 +219,28 @@ def experts_forward(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
     if path not in PATHS:
         raise ValueError(f"MoE path {path!r} is not one of {PATHS}")
     fn = {"dense": experts_dense, "gathered": experts_gathered, "grouped": experts_grouped}
-    return fn[path](x, weights, ids, gate_up, down, act, tp)
+    return fn[path](x, weights, ids, gate_up, down, act, tp, scales)
 
 
-def experts_parallel(mesh, x, weights, ids, gate_up, down, act, path: str | None = None):
-    """`experts_forward` with the experts split whole over the mesh's model axis (expert
-    parallelism: device s holds experts s * E / tp ..): each device runs the pairs of its own
-    experts (the others' with weight 0) on the replicated tokens, and one all-reduce sums the
-    devices' outputs."""
+def experts_parallel(mesh, x, weights, ids, gate_up, down, act, path: str | None = None,
+                     scales=None):
+    """`experts_forward` with the experts (and their `scales`, if int8) split whole over the
+    mesh's model axis (expert parallelism: device s holds experts s * E / tp ..): each device
+    runs the pairs of its own experts (the others' with weight 0) on the replicated tokens, and
+    one all-reduce sums the devices' outputs."""
     path = path or choose_path(x.shape[0], ids.shape[1], gate_up.shape[0])
 
-    def local(x, weights, ids, gate_up, down):
+    def local(x, weights, ids, gate_up, down, scales):
         E = gate_up.shape[0]
         own = ids - jax.lax.axis_index(MODEL_AXIS) * E
         mine = (own >= 0) & (own < E)
         out = experts_forward(x, jnp.where(mine, weights, 0), jnp.clip(own, 0, E - 1),
-                              gate_up, down, act, path)
+                              gate_up, down, act, path, scales=scales)
         return jax.lax.psum(out, MODEL_AXIS)
 
     experts = P(MODEL_AXIS)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), experts, experts),
-                         out_specs=P())(x, weights, ids, gate_up, down)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), experts, experts, experts),
+                         out_specs=P())(x, weights, ids, gate_up, down, scales)
 
 
 # The checkpoint layout Qwen2/3-MoE and OLMoE share: the router `mlp.gate`, each expert's
@@ -320,6 +352,8 @@ class SparseMoeBlock(nnx.Module):
     one), the E routed experts stacked (`experts_gate_up: f[E, D, 2F]`, gate then up;
     `experts_down: f[E, F, D]`), and a shared expert every token takes where the config has one
     (`Qwen2MoeSparseMoeBlock.shared_expert`, scaled by `sigmoid(shared_expert_gate(x))`).
+    Quantized (`set_int8_experts`), the experts are int8 with `experts_gate_up_scale:
+    f32[E, 2F]` and `experts_down_scale: f32[E, D]` (None while float).
 
     `path`: forces one of `PATHS` (tests, benchmarks); None: `choose_path` by step size.
     """
@@ -343,6 +377,8 @@ class SparseMoeBlock(nnx.Module):
             rngs.params(), (E, D, 2 * F), dtype))
         self.experts_down = nnx.Param(nnx.with_partitioning(init, spec[1])(
             rngs.params(), (E, F, D), dtype))
+        self.experts_gate_up_scale = nnx.data(None)  # f32 scales of int8 experts
+        self.experts_down_scale = nnx.data(None)
         self.act = ACTIVATIONS[config.hidden_act]
         shared = shared_intermediate_size > 0
         self.shared_expert = (GatedMLP(config, dtype=dtype, rngs=rngs,
@@ -350,17 +386,55 @@ class SparseMoeBlock(nnx.Module):
                               if shared else None)
         self.shared_expert_gate = linear(D, 1, dtype, rngs) if shared else None
 
+    def gates(self) -> tuple[nnx.Module, ...]:
+        """The layers that route or gate (the router, the shared expert's gate): quantization
+        leaves them float, as vLLM does."""
+        return tuple(g for g in (self.router, self.shared_expert_gate) if g is not None)
+
+    def set_int8_experts(self, gate_up: jax.Array, gate_up_scale: jax.Array, down: jax.Array,
+                         down_scale: jax.Array) -> None:
+        """Replaces the float experts by int8 ones, laid out as the float were (their partition
+        specs; each scale's, the matrix's without its input axis).
+
+        Args:
+          gate_up: i8[E, D, 2F] and gate_up_scale: f32[E, 2F]; down: i8[E, F, D] and
+            down_scale: f32[E, D] (`experts_gate_up ~= gate_up * gate_up_scale[:, None]`).
+
+        Raises:
+          ValueError: shapes or dtypes that do not match the float experts'.
+        """
+        E, D, F2 = self.experts_gate_up.shape
+        want = {"gate_up": (gate_up, (E, D, F2)), "gate_up_scale": (gate_up_scale, (E, F2)),
+                "down": (down, (E, F2 // 2, D)), "down_scale": (down_scale, (E, D))}
+        for name, (a, shape) in want.items():
+            dtype = jnp.float32 if name.endswith("scale") else jnp.int8
+            if a.shape != shape or a.dtype != dtype:
+                raise ValueError(f"int8 experts: {name} must be {jnp.dtype(dtype).name}"
+                                 f"{list(shape)}, got {a.dtype}{list(a.shape)}")
+        specs = [p.get_metadata().get("out_sharding") or (None,) * 3
+                 for p in (self.experts_gate_up, self.experts_down)]
+        with nnx.use_eager_sharding(False):
+            self.experts_gate_up = nnx.Param(gate_up, out_sharding=specs[0])
+            self.experts_gate_up_scale = nnx.Param(gate_up_scale,
+                                                   out_sharding=specs[0][:1] + specs[0][2:])
+            self.experts_down = nnx.Param(down, out_sharding=specs[1])
+            self.experts_down_scale = nnx.Param(down_scale,
+                                                out_sharding=specs[1][:1] + specs[1][2:])
+
     def __call__(self, x: jax.Array, slots: jax.Array | None = None) -> jax.Array:
         """x: f[T, D] -> f[T, D]; `slots` (LoRA) are not taken by MoE layers."""
         weights, ids = route(self.router(x), self.routing)
         if (recorded := _ROUTES.get()) is not None:
             recorded.append(ids)
         gate_up, down = self.experts_gate_up[...], self.experts_down[...]
+        scales = None if self.experts_gate_up_scale is None else (
+            self.experts_gate_up_scale[...], self.experts_down_scale[...])
         if self.mesh is not None:
             out = experts_parallel(self.mesh, x, weights, ids, gate_up, down, self.act,
-                                   self.path)
+                                   self.path, scales)
         else:
-            out = experts_forward(x, weights, ids, gate_up, down, self.act, self.path, self.tp)
+            out = experts_forward(x, weights, ids, gate_up, down, self.act, self.path, self.tp,
+                                  scales)
         if self.shared_expert is not None:
             out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.astype(x.dtype)

@@ -24,6 +24,14 @@ step.
 Q8_0 file the weights are the file's, not re-quantized per channel, at some cost in speed for
 steps of many tokens (`bench/results/quantized-matmul.json`).
 
+A Mixture-of-Experts block's stacked experts (`models.moe.SparseMoeBlock`) become int8 with
+symmetric scales per expert and output channel (`quantize_experts_int8`: `i8[E, D, 2F]` with
+`f32[E, 2F]`, `i8[E, F, D]` with `f32[E, D]`) under every scheme: weight-only, as "int8" (with
+"w8a8" the activations stay float in the experts; with "q8_0" the experts take per-channel
+scales, not Q8_0 blocks, whose batched gathers the expert paths do not have). The router and the
+shared expert's gate stay float, as vLLM keeps them; the shared expert's own linear layers are
+quantized as any other.
+
 Under tensor parallelism the weights keep their layer's split (column-parallel on N,
 row-parallel on K) and the matmul runs as jnp, partitioned by XLA; the C++ kernel serves one
 device.
@@ -36,6 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpaged.models.moe import SparseMoeBlock
 from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS
 from jaxpaged.pallas_kernels.quantized_matmul import (Q8_0_BLOCK, int8_matmul, pack_int8,
@@ -131,14 +140,24 @@ class QuantizedEmbed(nnx.Module):
                        self.use_kernel).astype(self.dtype)
 
 
-def _quantized(quantize, w: jax.Array, spec: tuple, mesh):
-    """quantize(w) (`quantize_int8` or `quantize_q8_0`) laid out like w's layer: weight by
-    `spec`, scale by as many of its axes as the scale has."""
+def _quantized(quantize, w: jax.Array, spec: tuple, mesh, scale_spec: tuple | None = None):
+    """quantize(w) (`quantize_int8`, `quantize_q8_0` or `quantize_experts_int8`) laid out like
+    w's layer: weight by `spec`, scale by `scale_spec` (None: as many of spec's axes as the scale
+    has)."""
     if mesh is None:
         return jax.jit(quantize)(w)
-    scale_ndim = jax.eval_shape(quantize, w)[1].ndim
-    shardings = (NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(*spec[:scale_ndim])))
+    if scale_spec is None:
+        scale_spec = spec[:jax.eval_shape(quantize, w)[1].ndim]
+    shardings = (NamedSharding(mesh, P(*spec)), NamedSharding(mesh, P(*scale_spec)))
     return jax.jit(quantize, out_shardings=shardings)(w)
+
+
+def quantize_experts_int8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Stacked experts f[E, K, N] (input by output features) -> (i8[E, K, N], f32[E, N]):
+    `quantize_int8` of each expert's transposed matrix, one scale per expert and output
+    channel, so `w[e, :, n] ~= q[e, :, n] * scale[e, n]`."""
+    q, scale = jax.vmap(quantize_int8)(jnp.swapaxes(w, 1, 2))
+    return jnp.swapaxes(q, 1, 2), scale
 
 
 class QuantizationMethod:
@@ -162,6 +181,10 @@ class QuantizationMethod:
 
     def embed(self, layer: nnx.Embed) -> nnx.Module | None:
         return None
+
+    def experts(self, block: SparseMoeBlock) -> None:
+        """Quantizes `block`'s stacked experts in place (`SparseMoeBlock.set_int8_experts`), or
+        leaves them float (this base: float)."""
 
 
 class Int8WeightOnly(QuantizationMethod):
@@ -195,6 +218,17 @@ class Int8WeightOnly(QuantizationMethod):
         weight, wsum = self.layout(weight)
         return QuantizedEmbed(weight, scale, layer.dtype, features=features, wsum=wsum,
                               use_kernel=self.use_kernel, activations=self.activations)
+
+    def experts(self, block: SparseMoeBlock) -> None:
+        """int8 experts per expert and output channel (`quantize_experts_int8`), weight-only
+        whatever the scheme's linear layers do (module doc), each scale split as its matrix's
+        output axis."""
+        quantized = []
+        for param in (block.experts_gate_up, block.experts_down):
+            spec = param.get_metadata().get("out_sharding") or (None,) * 3
+            quantized += _quantized(quantize_experts_int8, param[...], spec, self.mesh,
+                                    scale_spec=spec[:1] + spec[2:])
+        block.set_int8_experts(*quantized)
 
 
 class W8A8(Int8WeightOnly):
@@ -241,10 +275,11 @@ def quantize_model(model: nnx.Module, method: str | None, *, embeddings: bool = 
                    mesh=None, use_kernel: bool = False,
                    batch_invariant: bool = False) -> nnx.Module:
     """Replaces `model`'s `nnx.Linear` layers (and with `embeddings` its `nnx.Embed`) by
-    `method`'s quantized ones (`QUANTIZATION_METHODS`), in place, and returns it; the float
-    weights are then free. `method` None: no change. `use_kernel`: the quantized layers run the
-    C++ matmul (one CPU device; the caller asks the platform). `batch_invariant`: the engine's
-    mode (a scheme may compute a row one way only).
+    `method`'s quantized ones (`QUANTIZATION_METHODS`), and makes each MoE block's experts int8
+    (`QuantizationMethod.experts`; the blocks' router and shared expert gate stay float), in
+    place, and returns it; the float weights are then free. `method` None: no change.
+    `use_kernel`: the quantized layers run the C++ matmul (one CPU device; the caller asks the
+    platform). `batch_invariant`: the engine's mode (a scheme may compute a row one way only).
 
     Raises:
       ValueError: an unknown `method`, or a layer it cannot hold (named; Q8_0: input features
@@ -255,9 +290,15 @@ def quantize_model(model: nnx.Module, method: str | None, *, embeddings: bool = 
         return model
     scheme = QUANTIZATION_METHODS[method](mesh=mesh, use_kernel=use_kernel and mesh is None,
                                           batch_invariant=batch_invariant)
-    for path, node in list(nnx.iter_graph(model)):
+    nodes = list(nnx.iter_graph(model))
+    keep = {id(gate) for _, node in nodes if isinstance(node, SparseMoeBlock)
+            for gate in node.gates()}
+    for path, node in nodes:
         try:
-            if isinstance(node, nnx.Linear):
+            if isinstance(node, SparseMoeBlock):
+                scheme.experts(node)
+                continue
+            if isinstance(node, nnx.Linear) and id(node) not in keep:
                 new = scheme.linear(node)
             elif isinstance(node, nnx.Embed) and embeddings:
                 new = scheme.embed(node)
@@ -266,16 +307,20 @@ def quantize_model(model: nnx.Module, method: str | None, *, embeddings: bool = 
         except ValueError as e:  # a layer the scheme cannot hold (Q8_0: K % 32)
             raise ValueError(f"quantization {method!r} of {'.'.join(map(str, path))}: {e}") \
                 from e
-        if new is None:
-            continue
-        parent = model
-        for key in path[:-1]:
-            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-        if isinstance(path[-1], int):
-            parent[path[-1]] = new
-        else:
-            setattr(parent, path[-1], new)
+        if new is not None:
+            _replace(model, path, new)
     return model
+
+
+def _replace(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
+    """Sets the node at `path` in `model`'s graph to `new`."""
+    parent = model
+    for key in path[:-1]:
+        parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+    if isinstance(path[-1], int):
+        parent[path[-1]] = new
+    else:
+        setattr(parent, path[-1], new)
 
 
 def activation_modes(model: nnx.Module) -> str:

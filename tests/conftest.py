@@ -53,6 +53,20 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory, tiny_model_dir) -> Path:
+    """A random 2-layer Mixtral (8 experts, top-2) saved with `save_pretrained`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-mixtral")
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **TINY_CONFIG, num_local_experts=8, num_experts_per_tok=2)).save_pretrained(path)
+    copy_tokenizer(tiny_model_dir, path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def head64_model_dir(tmp_path_factory, tiny_model_dir):
     """The tiny Llama with 64-feature heads: the C++ kernel's compiled head size, as SmolLM2's
     (the tiny model's 16 take its generic path)."""

@@ -151,22 +151,6 @@ def test_the_block_with_its_shared_expert_equals_qwen2_moe(num_tokens):
                                atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def tiny_mixtral(tmp_path_factory, tiny_model_dir):
-    """A random 2-layer Mixtral (8 experts, top-2) saved with `save_pretrained`."""
-    import torch
-    import transformers
-
-    from conftest import TINY_CONFIG, copy_tokenizer
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-mixtral")
-    transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        **TINY_CONFIG, num_local_experts=8, num_experts_per_tok=2)).save_pretrained(path)
-    copy_tokenizer(tiny_model_dir, path)
-    return path
-
-
 def test_mixtral_keeps_its_greedy_ids_through_orbax_speculation_and_batch_invariance(
         make_llm, tiny_mixtral, tmp_path):
     """The experts stacked from an orbax checkpoint (`jaxpaged convert`), an n-gram proposer

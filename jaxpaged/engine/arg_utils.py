@@ -151,9 +151,9 @@ class EngineArgs:
         "ids and logprobs whatever shares a step, chunking, prefix caching or preemption (CPU: "
         "the cpu or xla attention backend)")
     quantization: str | None = _option(
-        "auto", "quantization.method", "int8 weights for the linear layers and the embedding: "
-        "int8 (weight-only), w8a8 (int8 activations too) or q8_0 (GGUF Q8_0 blocks, a scale "
-        "per 32 weights); auto: w8a8 for a GGUF file, else none", flags=("-q",),
+        "auto", "quantization.method", "int8 weights for the linear layers, the embedding and "
+        "MoE experts: int8 (weight-only), w8a8 (int8 activations too) or q8_0 (GGUF Q8_0 "
+        "blocks, a scale per 32 weights); auto: w8a8 for a GGUF file, else none", flags=("-q",),
         choices=_LiveChoices(("auto", None), QUANTIZATION_METHODS))
     speculative_config: dict | str | None = _option(
         None, "speculative", "speculative decoding, vLLM's keys as a dict or JSON: "

@@ -8,7 +8,6 @@ import dataclasses
 import logging
 from pathlib import Path
 
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.config import CacheConfig, ExecutionConfig, LoRAConfig, SchedulerConfig
@@ -49,10 +48,6 @@ def load_engine_model(model_dir: Path, model_config: ModelConfig, dtype, backend
     (`models.quantization`), with adapter slots where `lora.enable_lora` (`models.lora`), on
     the few-row and LoRA kernels where the platform uses them."""
     model = load_model_from_dir(model_dir, model_config, dtype, backend, mesh)
-    if quantization and getattr(model_config, "moe", None) is not None:
-        logger.warning("quantization %r covers attention, the router and dense MLPs; a "
-                       "Mixture-of-Experts model's experts stay in %s", quantization,
-                       jnp.dtype(dtype).name)
     model = quantize_model(model, quantization, mesh=mesh,
                            use_kernel=INT8_MATMUL in current_platform().kernels(),
                            batch_invariant=batch_invariant)
