@@ -1,5 +1,5 @@
 """Mixture-of-Experts MLPs: top-k routing as each family defines it, and the routed experts run
-dropless (every token reaches each of its k experts, whatever the batch holds) by one of three
+dropless (every token reaches each of its k experts, whatever the batch holds) by one of four
 paths that give the same results.
 
 Routing (`Routing`, `route`) follows the Hugging Face routers:
@@ -21,7 +21,12 @@ The experts (`experts_forward`), each `down(act(gate(x)) * up(x))`, with `gate_u
     2022, section 5: no capacity factor, no dropped token; at most one partly filled tile per
     expert), then batched matmuls over `GROUP_CHUNK` tiles at a time with each tile's expert's
     matrices (copied: the chunks bound that copy to GROUP_CHUNK experts whatever the step).
-`experts_forward` picks by the step's static size (`choose_path`).
+  - "kernel": the C++ kernel on CPU (`pallas_kernels.moe_experts`): the pairs grouped by
+    expert, each expert's rows through its matrices read in place, no copy; the fastest at
+    every step size where it runs (one CPU device, float32 activations, SiLU, D and F
+    multiples of 64), so an engine that turns it on (`enable_moe_kernel`) takes it whatever the
+    step's size.
+Otherwise `experts_forward` picks among the jnp paths by the step's static size (`choose_path`).
 
 Quantized experts (`models.quantization`) keep `gate_up: i8[E, D, 2F]` and `down: i8[E, F, D]`
 with symmetric scales per expert and output channel (`scales`: `f32[E, 2F]`, `f32[E, D]`): each
@@ -41,6 +46,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.layers import ACTIVATIONS, GatedMLP, linear
+from jaxpaged.pallas_kernels import moe_experts as experts_kernel
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS
 
 # The path by step size (`choose_path`), from `bench/moe_paths.py` on a 2-core Zen 4
@@ -52,7 +58,8 @@ GATHER_MAX_PAIRS = 16
 DENSE_MAX_ROWS = 4096
 GROUP_TILE = 32  # rows of one expert's tile on the grouped path
 GROUP_CHUNK = 16  # tiles the grouped path multiplies at once
-PATHS = ("dense", "gathered", "grouped")
+JNP_PATHS = ("dense", "gathered", "grouped")  # any shapes, shards and activation
+PATHS = (*JNP_PATHS, "kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +211,8 @@ def experts_forward(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
       gate_up: f[E, D, 2F] each expert's gate then up projection; down: f[E, F, D]; or
         int8 (i8[E, D, 2F], i8[E, F, D]) with `scales`.
       act: the activation (`models.layers.ACTIVATIONS`).
-      path: one of `PATHS`; None: `choose_path`.
+      path: one of `PATHS` ("kernel": `pallas_kernels.moe_experts`, where it `fits`, which
+        the caller checks); None: `choose_path`.
       tp: the shards gate_up's columns are laid out by (tensor parallelism, `models.layers`).
       scales: int8 experts' (f32[E, 2F], f32[E, D]), per expert and output channel
         (`models.quantization`); None: float experts.
@@ -218,6 +226,8 @@ def experts_forward(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
     path = path or choose_path(x.shape[0], ids.shape[1], gate_up.shape[0])
     if path not in PATHS:
         raise ValueError(f"MoE path {path!r} is not one of {PATHS}")
+    if path == "kernel":
+        return experts_kernel.moe_experts(x, weights, ids, gate_up, down, scales)
     fn = {"dense": experts_dense, "gathered": experts_gathered, "grouped": experts_grouped}
     return fn[path](x, weights, ids, gate_up, down, act, tp, scales)
 
@@ -355,10 +365,12 @@ class SparseMoeBlock(nnx.Module):
     Quantized (`set_int8_experts`), the experts are int8 with `experts_gate_up_scale:
     f32[E, 2F]` and `experts_down_scale: f32[E, D]` (None while float).
 
-    `path`: forces one of `PATHS` (tests, benchmarks); None: `choose_path` by step size.
+    `path`: forces one of `PATHS` (tests, benchmarks); None: the C++ kernel where the engine
+    turned `kernel` on (`enable_moe_kernel`) and it fits, else `choose_path` by step size.
     """
 
     path: str | None = None
+    kernel = False
 
     def __init__(self, config, *, dtype, rngs: nnx.Rngs, routing: Routing, num_experts: int,
                  intermediate_size: int, shared_intermediate_size: int = 0,
@@ -380,6 +392,7 @@ class SparseMoeBlock(nnx.Module):
         self.experts_gate_up_scale = nnx.data(None)  # f32 scales of int8 experts
         self.experts_down_scale = nnx.data(None)
         self.act = ACTIVATIONS[config.hidden_act]
+        self.activation = config.hidden_act
         shared = shared_intermediate_size > 0
         self.shared_expert = (GatedMLP(config, dtype=dtype, rngs=rngs,
                                        intermediate_size=shared_intermediate_size)
@@ -433,8 +446,23 @@ class SparseMoeBlock(nnx.Module):
             out = experts_parallel(self.mesh, x, weights, ids, gate_up, down, self.act,
                                    self.path, scales)
         else:
-            out = experts_forward(x, weights, ids, gate_up, down, self.act, self.path, self.tp,
+            path = self.path
+            if path is None and self.kernel and experts_kernel.fits(x, gate_up, down,
+                                                                   self.activation, self.tp):
+                path = "kernel"
+            out = experts_forward(x, weights, ids, gate_up, down, self.act, path, self.tp,
                                   scales)
         if self.shared_expert is not None:
             out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.astype(x.dtype)
+
+
+def enable_moe_kernel(model: nnx.Module) -> int:
+    """Turns the C++ experts kernel on in `model`'s MoE layers (`SparseMoeBlock.kernel`; for an
+    engine on one CPU device with float32 activations); returns how many layers."""
+    count = 0
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, SparseMoeBlock):
+            node.kernel = True
+            count += 1
+    return count

@@ -37,14 +37,16 @@ from jaxpaged.pallas_kernels.reference import QuantizedKVCache
 logger = logging.getLogger(__name__)
 
 # Every C++ kernel, compiled into one library: the paged attention here, the weight-only int8,
-# the W8A8 and the GGUF Q8_0 block matmuls (`quantized_matmul`), the float32 few-row matmul (`few_row_matmul`) and
-# the LoRA adapters' products by slot (`lora_matmul`).
+# the W8A8 and the GGUF Q8_0 block matmuls (`quantized_matmul`), the float32 few-row matmul
+# (`few_row_matmul`), the LoRA adapters' products by slot (`lora_matmul`) and the
+# Mixture-of-Experts experts by expert (`moe_experts`).
 _SOURCES = (Path(__file__).parent / "csrc" / "paged_attention_cpu.cc",
             Path(__file__).parent / "csrc" / "int8_matmul_cpu.cc",
             Path(__file__).parent / "csrc" / "f32_matmul_cpu.cc",
             Path(__file__).parent / "csrc" / "lora_matmul_cpu.cc",
             Path(__file__).parent / "csrc" / "w8a8_matmul_cpu.cc",
-            Path(__file__).parent / "csrc" / "q8_0_matmul_cpu.cc")
+            Path(__file__).parent / "csrc" / "q8_0_matmul_cpu.cc",
+            Path(__file__).parent / "csrc" / "moe_experts_cpu.cc")
 # Headers the sources include (part of the build's key, not compiled on their own).
 _HEADERS = (Path(__file__).parent / "csrc" / "cpu_tasks.h",)
 _TARGET = "jaxpaged_paged_attention"
@@ -56,6 +58,8 @@ Q8_0_MATMUL_TARGET = "jaxpaged_q8_0_matmul"
 F32_MATMUL_KN_TARGET = "jaxpaged_f32_matmul_kn"
 F32_MATMUL_NK_TARGET = "jaxpaged_f32_matmul_nk"
 LORA_MATMUL_TARGET = "jaxpaged_lora_matmul"
+MOE_EXPERTS_F32_TARGET = "jaxpaged_moe_experts_f32"
+MOE_EXPERTS_I8_TARGET = "jaxpaged_moe_experts_i8"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
           "-pthread"]
 
@@ -146,6 +150,9 @@ def available() -> bool:
                                 jax.ffi.pycapsule(lib.JaxpagedW8A8MatmulF32), platform="cpu")
     jax.ffi.register_ffi_target(Q8_0_MATMUL_TARGET,
                                 jax.ffi.pycapsule(lib.JaxpagedQ8_0Matmul), platform="cpu")
+    for target, symbol in ((MOE_EXPERTS_F32_TARGET, lib.JaxpagedMoeExpertsF32),
+                           (MOE_EXPERTS_I8_TARGET, lib.JaxpagedMoeExpertsI8)):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     _library["lib"] = lib
     return True
 

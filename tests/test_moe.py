@@ -1,8 +1,9 @@
 """Mixture-of-Experts routing and expert paths (`models.moe`) against the Hugging Face blocks
 they follow: for each family's router (Mixtral, Qwen2-MoE / Qwen3-MoE with and without
 `norm_topk_prob`, OLMoE, Granite MoE) the same experts picked for every token and the routed
-experts' output within 1e-5 (float32) on the dense, gathered and grouped paths, at step sizes
-on both sides of `GATHER_MAX_PAIRS` and with experts no token picks; and a tiny Mixtral
+experts' output within 1e-5 (float32) on the dense, gathered and grouped paths and the C++
+kernel, at step sizes on both sides of `GATHER_MAX_PAIRS` and with experts no token picks; the
+kernel on int8 experts and its rows independent of the rest of the step; and a tiny Mixtral
 engine's greedy ids through an orbax checkpoint, speculative decoding and batch-invariant
 mode. (The families against transformers: tests/test_families.py; TP and expert parallelism:
 tests/test_tensor_parallel.py.)"""
@@ -19,17 +20,17 @@ from jaxpaged import SamplingParams
 from jaxpaged.models import moe
 from jaxpaged.models.layers import ACTIVATIONS
 
-BASE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+BASE = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=64, hidden_act="silu")
 FAMILIES = {  # name -> (config class, block attribute path, config overrides, our Routing)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", "block_sparse_moe",
                 dict(num_local_experts=8, num_experts_per_tok=2), moe.Routing(2)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "mlp",
-                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                        shared_expert_intermediate_size=40, norm_topk_prob=False),
                   moe.Routing(2, renormalize=False)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "mlp",
-                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                        norm_topk_prob=True), moe.Routing(2)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", "mlp",
               dict(num_experts=8, num_experts_per_tok=2), moe.Routing(2, renormalize=False)),
@@ -83,7 +84,7 @@ def ours(block, x, routing, path):
 @pytest.mark.parametrize("num_tokens", [1, 5, 70])
 def test_routing_and_every_path_equal_the_hf_block(name, num_tokens):
     block, routing = hf_block(name)
-    x = np.random.default_rng(num_tokens).standard_normal((num_tokens, 32)).astype(np.float32)
+    x = np.random.default_rng(num_tokens).standard_normal((num_tokens, 64)).astype(np.float32)
     ref_ids, ref = hf_routed(block, x)
     for path in moe.PATHS:
         ids, out = ours(block, x, routing, path)
@@ -119,6 +120,43 @@ def test_the_path_is_chosen_by_step_size_and_a_bad_one_is_named():
                             jnp.zeros((3, 4, 8)), jnp.zeros((3, 4, 4)), jax.nn.silu, "sparse")
 
 
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_the_kernel_equals_the_dense_path_on_float_and_int8_experts(num_tokens):
+    """`pallas_kernels.moe_experts` (pairs counting-sorted by expert, reductions in chunks of
+    256, rows in tiles of 6): experts no token picks and one expert holding most pairs; int8
+    experts against the dense path on their dequantized matrices; each token's row bit-equal
+    to the same token computed alone (the kernel's order does not depend on the step)."""
+    from jaxpaged.models.quantization import quantize_experts_int8
+    from jaxpaged.pallas_kernels import moe_experts
+
+    rng = np.random.default_rng(num_tokens)
+    E, D, F, k = 8, 320, 128, 2  # D past one reduction chunk
+    x = jnp.asarray(rng.standard_normal((num_tokens, D)), jnp.float32)
+    gate_up = jnp.asarray(rng.standard_normal((E, D, 2 * F)) * 0.05, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((E, F, D)) * 0.05, jnp.float32)
+    weights = jnp.asarray(rng.uniform(0.1, 1, (num_tokens, k)), jnp.float32)
+    ids = rng.integers(0, E - 2, (num_tokens, k))  # experts 6 and 7 unused
+    ids[: num_tokens // 2 + 1, 0] = 5
+    ids[:, 1] = np.where(ids[:, 1] == ids[:, 0], (ids[:, 0] + 1) % (E - 2), ids[:, 1])
+    ids = jnp.asarray(ids, jnp.int32)
+    act = ACTIVATIONS["silu"]
+    assert moe_experts.fits(x, gate_up, down, "silu", tp=1)
+    assert not moe_experts.fits(x, gate_up[:, :, :96], down[:, :48], "silu", tp=1)
+    assert not moe_experts.fits(x, gate_up, down, "gelu_pytorch_tanh", tp=1)
+    (q_gu, s_gu), (q_d, s_d) = quantize_experts_int8(gate_up), quantize_experts_int8(down)
+    for experts, scales, dense in (
+            ((gate_up, down), None, (gate_up, down)),
+            ((q_gu, q_d), (s_gu, s_d), (q_gu * s_gu[:, None], q_d * s_d[:, None]))):
+        kernel = jax.jit(lambda x, w, i: moe.experts_forward(x, w, i, *experts, act, "kernel",
+                                                             scales=scales))
+        out = kernel(x, weights, ids)
+        ref = moe.experts_dense(x, weights, ids, *dense, act)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * float(jnp.max(abs(ref))))
+        for t in {0, num_tokens // 2, num_tokens - 1}:
+            alone = kernel(x[t:t + 1], weights[t:t + 1], ids[t:t + 1])
+            np.testing.assert_array_equal(alone[0], out[t])
+
+
 @pytest.mark.parametrize("num_tokens", [3, 40])
 def test_the_block_with_its_shared_expert_equals_qwen2_moe(num_tokens):
     """`SparseMoeBlock` with HF's weights: routed experts plus the sigmoid-gated shared expert
@@ -129,11 +167,11 @@ def test_the_block_with_its_shared_expert_equals_qwen2_moe(num_tokens):
     from flax import nnx
 
     block, routing = hf_block("qwen2_moe")
-    config = types.SimpleNamespace(hidden_size=32, intermediate_size=48, hidden_act="silu",
+    config = types.SimpleNamespace(hidden_size=64, intermediate_size=64, hidden_act="silu",
                                    tensor_parallel_size=1)  # what the block reads of a config
     with nnx.use_eager_sharding(False):  # as the models build (`LlamaForCausalLM`)
         ours_block = moe.SparseMoeBlock(config, dtype=jnp.float32, rngs=nnx.Rngs(0),
-                                        routing=routing, num_experts=8, intermediate_size=48,
+                                        routing=routing, num_experts=8, intermediate_size=64,
                                         shared_intermediate_size=40)
     t = lambda w: jnp.asarray(w.detach().numpy())
     shared = block.shared_expert
@@ -144,7 +182,7 @@ def test_the_block_with_its_shared_expert_equals_qwen2_moe(num_tokens):
         [t(shared.gate_proj.weight).T, t(shared.up_proj.weight).T], axis=1)
     ours_block.shared_expert.down_proj.kernel[...] = t(shared.down_proj.weight).T
     ours_block.shared_expert_gate.kernel[...] = t(block.shared_expert_gate.weight).T
-    x = np.random.default_rng(1).standard_normal((num_tokens, 32)).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((num_tokens, 64)).astype(np.float32)
     with torch.no_grad():
         ref = block(torch.from_numpy(x)[None]).numpy()[0]
     np.testing.assert_allclose(np.asarray(ours_block(jnp.asarray(x))), ref, rtol=1e-5,

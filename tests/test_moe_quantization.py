@@ -72,7 +72,7 @@ def test_every_path_with_int8_experts_equals_dense_on_the_dequantized(num_tokens
     ref = moe.experts_dense(x, weights, ids, dequantized(q_gu, s_gu), dequantized(q_d, s_d),
                             act, tp)
     atol = 1e-5 * float(jnp.max(jnp.abs(ref)))
-    for path in (None, *moe.PATHS):
+    for path in (None, *moe.JNP_PATHS):
         out = moe.experts_forward(x, weights, ids, q_gu, q_d, act, path, tp,
                                   scales=(s_gu, s_d))
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=atol, err_msg=str(path))
@@ -172,7 +172,7 @@ PARALLEL = """
             one = lambda a: jnp.asarray(np.asarray(a))  # on one device
             ref = moe.experts_dense(x, weights, ids, dequantized(one(q_gu), one(s_gu)),
                                     dequantized(one(q_d), one(s_d)), act, tp)
-            for path in moe.PATHS:
+            for path in moe.JNP_PATHS:
                 if ep:
                     fn = lambda *a: moe.experts_parallel(mesh, *a[:5], act, path,
                                                      scales=a[-2:])

@@ -14,6 +14,7 @@ from jaxpaged.config import CacheConfig, ExecutionConfig, LoRAConfig, SchedulerC
 from jaxpaged.model_loader.loader import load_model_from_dir
 from jaxpaged.models import ModelConfig
 from jaxpaged.models.layers import enable_few_row_kernel
+from jaxpaged.models.moe import enable_moe_kernel
 from jaxpaged.models.lora import enable_lora, enable_lora_kernel
 from jaxpaged.models.quantization import quantize_model
 from jaxpaged.pallas_kernels import make_attention_backend
@@ -61,6 +62,9 @@ def load_engine_model(model_dir: Path, model_config: ModelConfig, dtype, backend
     # mode, whose rows must be computed one way whatever the step's size.
     if current_platform().use_few_row_kernel(dtype, mesh is not None, batch_invariant):
         enable_few_row_kernel(model)
+    # Mixture-of-Experts experts grouped by expert, each read in place, on the CPU kernel.
+    if current_platform().use_moe_kernel(dtype, mesh is not None):
+        enable_moe_kernel(model)
     release_freed_memory()
     return model
 

@@ -27,7 +27,7 @@ import numpy as np
 from jaxpaged import envs
 from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.platforms.interface import (CPU_ATTENTION, FEW_ROW_MATMUL, INT8_MATMUL,
-                                          LORA_MATMUL, Platform)
+                                          LORA_MATMUL, MOE_EXPERTS, Platform)
 
 BATCH_INVARIANT_MIN_TOKENS = 64
 # Step sizes (token buckets) below `BATCH_INVARIANT_MIN_TOKENS` a batch-invariant step may be
@@ -126,7 +126,7 @@ class CpuPlatform(Platform):
     def kernels(self) -> frozenset[str]:
         if not cpu_attention.available():
             return frozenset()
-        return frozenset({CPU_ATTENTION, FEW_ROW_MATMUL, INT8_MATMUL, LORA_MATMUL})
+        return frozenset({CPU_ATTENTION, FEW_ROW_MATMUL, INT8_MATMUL, LORA_MATMUL, MOE_EXPERTS})
 
     def use_few_row_kernel(self, dtype, tensor_parallel: bool, batch_invariant: bool) -> bool:
         """One device, float32 weights, not batch-invariant (a row must be computed one way
@@ -139,6 +139,12 @@ class CpuPlatform(Platform):
         C++ kernels built."""
         return (not tensor_parallel and dtype == np.float32 and not batch_invariant
                 and LORA_MATMUL in self.kernels())
+
+    def use_moe_kernel(self, dtype, tensor_parallel: bool) -> bool:
+        """One device, float32 activations, the C++ kernels built. Batch-invariant mode keeps
+        it: the kernel computes each token's pairs one way whatever the step holds (the jnp
+        paths differ by step size)."""
+        return not tensor_parallel and dtype == np.float32 and MOE_EXPERTS in self.kernels()
 
     def batch_invariant_backend(self, attention_backend: str) -> str:
         """"cpu" (the C++ kernel in its invariant order) or "xla"; "auto" resolved.

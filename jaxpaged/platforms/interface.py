@@ -17,7 +17,7 @@ from jaxpaged import envs
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Kernel names `Platform.kernels` may list.
 CPU_ATTENTION, FEW_ROW_MATMUL, INT8_MATMUL = "cpu_attention", "few_row_matmul", "int8_matmul"
-LORA_MATMUL = "lora_matmul"
+LORA_MATMUL, MOE_EXPERTS = "lora_matmul", "moe_experts"
 
 
 class Platform:
@@ -48,7 +48,7 @@ class Platform:
 
     def kernels(self) -> frozenset[str]:
         """The custom kernels usable here (`CPU_ATTENTION`, `FEW_ROW_MATMUL`, `INT8_MATMUL`,
-        `LORA_MATMUL`)."""
+        `LORA_MATMUL`, `MOE_EXPERTS`)."""
         return frozenset()
 
     def use_few_row_kernel(self, dtype, tensor_parallel: bool, batch_invariant: bool) -> bool:
@@ -57,6 +57,11 @@ class Platform:
 
     def use_lora_kernel(self, dtype, tensor_parallel: bool, batch_invariant: bool) -> bool:
         """Whether the model's adapter slots run on the LoRA kernel (`models.lora.LoRA`)."""
+        return False
+
+    def use_moe_kernel(self, dtype, tensor_parallel: bool) -> bool:
+        """Whether the model's Mixture-of-Experts layers run their experts on the MoE kernel
+        (`models.moe.SparseMoeBlock.kernel`)."""
         return False
 
     # Batch invariance (`LLM(batch_invariant=True)`).

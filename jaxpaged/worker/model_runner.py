@@ -55,7 +55,8 @@ WARM_UP_TOKENS = 8  # `precompile` also runs each shape of at most this many tok
 
 def _uses_kernel(model: nnx.Module, flag: str) -> bool:
     """Whether the engine turned a kernel on in `model` (a program apart): the few-row matmul
-    ("few_row_kernel", `models.layers`) or the LoRA one ("lora_kernel", `models.lora.LoRA`)."""
+    ("few_row_kernel", `models.layers`), the LoRA one ("lora_kernel", `models.lora.LoRA`) or
+    the MoE one ("kernel", `models.moe.SparseMoeBlock`)."""
     return any(getattr(node, flag, False) for _, node in nnx.iter_graph(model))
 
 
@@ -133,6 +134,7 @@ class ModelRunner:
             f"invariant={getattr(self.backend, 'invariant', False)}",
             f"few_row_kernel={_uses_kernel(model, 'few_row_kernel')}",
             f"lora_kernel={_uses_kernel(model, 'lora_kernel')}",
+            f"moe_kernel={_uses_kernel(model, 'kernel')}",
             f"activations={activation_modes(model)}",
             repr(None if self.mesh is None else self.mesh.devices.tolist())),
             None if self.mesh is None else list(self.mesh.devices.flat))
