@@ -1,5 +1,5 @@
-"""The three Mixture-of-Experts expert paths (`models.moe`) against each other, one layer's
-experts at a time, by step size: which one the engine should take where.
+"""The Mixture-of-Experts expert paths (`models.moe`) against each other, one layer's experts at
+a time, by step size: which one the engine should take where.
 
     python bench/moe_paths.py                  # E=32 experts, top-4, D=1024, F=512
     python bench/moe_paths.py --experts 8 --top-k 2 --hidden 1024 --intermediate 1408
@@ -7,8 +7,10 @@ experts at a time, by step size: which one the engine should take where.
 Random float32 tokens, weights and router logits; each path jitted alone; for each step size
 the paths run in turns (`--rounds`, median of each), the dense and gathered paths only up to
 `--dense-max-tokens` and `--gathered-max-tokens` (they grow with E x T and k x T matrices).
-Writes bench/results/moe-paths.json: per step size each path's time in ms and the fastest,
-beside `moe.choose_path`'s pick.
+The C++ kernel ("kernel") is also timed on the same experts quantized to int8
+("kernel-int8", beside the float paths, not among them). Writes bench/results/moe-paths.json:
+per step size each path's time in ms and the fastest float path, beside the engine's pick (the
+kernel where it runs, else `moe.choose_path`'s).
 """
 
 from __future__ import annotations
@@ -42,32 +44,42 @@ def main(argv=None) -> dict:
 
     from jaxpaged.models import moe
     from jaxpaged.models.layers import ACTIVATIONS
+    from jaxpaged.models.quantization import quantize_experts_int8
+    from jaxpaged.pallas_kernels import moe_experts
 
     E, k, D, F = args.experts, args.top_k, args.hidden, args.intermediate
     rng = np.random.default_rng(0)
     gate_up = jnp.asarray(rng.standard_normal((E, D, 2 * F)) * D ** -0.5, jnp.float32)
     down = jnp.asarray(rng.standard_normal((E, F, D)) * F ** -0.5, jnp.float32)
     act = ACTIVATIONS["silu"]
-    fns = {path: jax.jit(lambda x, w, i, gu, dn, path=path: moe.experts_forward(
-        x, w, i, gu, dn, act, path)) for path in moe.PATHS}
+    # Each path's function and its experts, passed as arguments (constants would be folded).
+    fns = {path: (jax.jit(lambda x, w, i, gu, dn, path=path: moe.experts_forward(
+        x, w, i, gu, dn, act, path)), (gate_up, down)) for path in moe.PATHS}
+    kernel = moe_experts.fits(jnp.zeros((1, D)), gate_up, down, "silu", tp=1)
+    if kernel:
+        (q_gu, s_gu), (q_d, s_d) = quantize_experts_int8(gate_up), quantize_experts_int8(down)
+        fns["kernel-int8"] = (jax.jit(lambda x, w, i, gu, dn, sg, sd: moe.experts_forward(
+            x, w, i, gu, dn, act, "kernel", scales=(sg, sd))), (q_gu, q_d, s_gu, s_d))
     rows = []
     for T in args.tokens:
         x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
         weights, ids = moe.route(jnp.asarray(rng.standard_normal((T, E)), jnp.float32),
                                  moe.Routing(k))
-        paths = [p for p in moe.PATHS if (p != "dense" or T <= args.dense_max_tokens)
-                 and (p != "gathered" or T <= args.gathered_max_tokens)]
+        paths = [p for p in fns if (p != "dense" or T <= args.dense_max_tokens)
+                 and (p != "gathered" or T <= args.gathered_max_tokens)
+                 and (kernel or not p.startswith("kernel"))]
         for path in paths:  # compile and warm
-            jax.block_until_ready(fns[path](x, weights, ids, gate_up, down))
+            jax.block_until_ready(fns[path][0](x, weights, ids, *fns[path][1]))
         times = {path: [] for path in paths}
         for r in range(args.rounds):
             for path in paths[r % len(paths):] + paths[:r % len(paths)]:
                 start = time.perf_counter()
-                jax.block_until_ready(fns[path](x, weights, ids, gate_up, down))
+                jax.block_until_ready(fns[path][0](x, weights, ids, *fns[path][1]))
                 times[path].append(time.perf_counter() - start)
         ms = {path: 1e3 * statistics.median(t) for path, t in times.items()}
-        row = {"tokens": T, "pairs": T * k, "ms": ms, "fastest": min(ms, key=ms.get),
-               "engine_picks": moe.choose_path(T, k, E)}
+        floats = {p: t for p, t in ms.items() if p != "kernel-int8"}
+        row = {"tokens": T, "pairs": T * k, "ms": ms, "fastest": min(floats, key=floats.get),
+               "engine_picks": "kernel" if kernel else moe.choose_path(T, k, E)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     report = {"config": {"experts": E, "top_k": k, "hidden": D, "intermediate": F,
