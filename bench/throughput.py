@@ -23,6 +23,8 @@ Backends:
   jaxpaged                  the whole request set through the engine (continuous batching,
                             prefix caching on); request i sampled with seed --seed + i.
   jaxpaged-no-prefix-cache  the same with `enable_prefix_caching=False`.
+  jaxpaged-w8a8             the same with `quantization="w8a8"` (a Mixture-of-Experts model's
+                            experts int8 weight-only, `models.quantization`).
   jaxpaged-json             the structured-output workload: every request under a nested
                             JSON schema (`JSON_SCHEMA`), against the same requests without it
                             (`jaxpaged-json-none`), each of the same output length.
@@ -320,6 +322,8 @@ def run_jaxpaged_json(requests, args) -> dict:
 BACKENDS = {"jaxpaged": run_jaxpaged,
             "jaxpaged-json": run_jaxpaged_json,
             "jaxpaged-no-prefix-cache": lambda reqs, args: run_jaxpaged(reqs, args, False),
+            "jaxpaged-w8a8": lambda reqs, args: run_jaxpaged(reqs, argparse.Namespace(
+                **{**vars(args), "quantization": "w8a8"})),
             "hf": lambda reqs, args: {"": run_hf(reqs, args)},
             "hf-cb": run_hf_cb_and_greedy}
 
@@ -348,10 +352,16 @@ def model_flops(config, requests, num_cached_tokens: int = 0) -> float:
     """Matmul FLOPs of the workload: 2 x weights per computed token (the LM head only where a
     token is sampled), plus attention's QK^T and PV over each token's context; less the weight
     FLOPs of `num_cached_tokens` prompt tokens served from a prefix cache (their attention
-    share is left in, so this slightly overcounts)."""
+    share is left in, so this slightly overcounts). A Mixture-of-Experts layer counts the k
+    experts each token takes (and the router), not all of them."""
     D, L = config.hidden_size, config.num_hidden_layers
-    q_dim, kv_dim = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    per_layer = D * (2 * q_dim + 2 * kv_dim) + 3 * D * config.intermediate_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    moe = getattr(config, "moe", None)
+    mlp = (3 * D * config.intermediate_size if moe is None else
+           D * moe.num_experts + 3 * D * moe.routing.top_k * moe.intermediate_size
+           + 3 * D * moe.shared_intermediate_size)  # every layer sparse, as the bench's MoE
+    per_layer = D * (2 * q_dim + 2 * kv_dim) + mlp
     flops = 0.0
     for r in requests:
         p, o = len(r["prompt_token_ids"]), r["output_len"]

@@ -30,6 +30,20 @@ class OlmoeConfig(MoeConfig, LlamaConfig):
         return dataclasses.replace(super().from_hf_dict(d),
                                    clip_qkv=None if clip is None else float(clip))
 
+    def for_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> "OlmoeConfig":
+        """`LlamaConfig.for_tensor_parallel`, but with the KV heads never repeated.
+
+        Raises:
+          ValueError: as the base's, and tp above the KV heads: `k_norm` spans all of them,
+            so a device's repeated copy would not hold its norm's weights (named).
+        """
+        K = self.num_key_value_heads
+        if isinstance(tp, int) and tp > K:
+            raise ValueError(f"tensor_parallel_size={tp} exceeds OLMoE's num_key_value_heads="
+                             f"{K}: its k_norm spans all KV heads, which are not repeated per "
+                             f"device; use tensor_parallel_size <= {K}")
+        return super().for_tensor_parallel(tp, expert_parallel)
+
     @staticmethod
     def read_moe(d: dict[str, Any], config) -> MoeSpec:
         return MoeSpec(d.get("num_experts", 64), config.intermediate_size,

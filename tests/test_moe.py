@@ -205,3 +205,17 @@ def test_mixtral_keeps_its_greedy_ids_through_orbax_speculation_and_batch_invari
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
     assert generate(make_llm(tiny_mixtral, speculative_config=ngram)) == ref
     assert generate(make_llm(tiny_mixtral, batch_invariant=True)) == ref
+
+
+def test_olmoe_refuses_tensor_parallelism_past_its_kv_heads():
+    """OLMoE's k_norm spans every KV head: tp above them (which would repeat the heads per
+    device) is refused with the numbers named; up to them, the config splits."""
+    from jaxpaged.models.olmoe import OlmoeConfig
+
+    config = OlmoeConfig.from_hf_dict({**BASE, "architectures": ["OlmoeForCausalLM"],
+                                       "num_experts": 8, "num_experts_per_tok": 2,
+                                       "vocab_size": 64, "max_position_embeddings": 64})
+    assert config.for_tensor_parallel(2).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 exceeds OLMoE's "
+                                         "num_key_value_heads=2"):
+        config.for_tensor_parallel(4)
