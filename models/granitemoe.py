@@ -39,4 +39,8 @@ class GraniteMoeForCausalLM(MoeModel, LlamaForCausalLM):
         (f"{_MOE}.router.layer.weight", "layers.{i}.mlp.router.kernel", True, None),
         (f"{_MOE}.input_linear.weight", "layers.{i}.mlp.experts_gate_up", True, None),
         (f"{_MOE}.output_linear.weight", "layers.{i}.mlp.experts_down", True, None),
+        # transformers 5's module names (`load_weights` of a trainer's `state_dict()`)
+        (f"{_MOE}.router.weight", "layers.{i}.mlp.router.kernel", True, None),
+        (f"{_MOE}.experts.gate_up_proj", "layers.{i}.mlp.experts_gate_up", True, None),
+        (f"{_MOE}.experts.down_proj", "layers.{i}.mlp.experts_down", True, None),
     )

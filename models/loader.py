@@ -277,10 +277,11 @@ class StackedReader:
                          for e in range(self.shape[0])[first]])
 
 
-def stack_experts(readers: dict, model_cls: type[nnx.Module]) -> dict:
+def stack_experts(readers: dict, model_cls: type[nnx.Module], stack=StackedReader) -> dict:
     """`readers` with each layer's per-expert tensors (the family's `EXPERT_TENSORS`: (name
     with `{i}` the layer and `{j}` the expert, the stacked tensor's name with `{i}`)) replaced
-    by one `StackedReader` over experts 0.. in order; the other tensors as they are.
+    by `stack` of their list, experts 0.. in order (a `StackedReader`; `load_weights` stacks
+    arrays); the other tensors as they are.
 
     Raises:
       ValueError: a layer's experts are not numbered 0 to E - 1.
@@ -303,7 +304,7 @@ def stack_experts(readers: dict, model_cls: type[nnx.Module]) -> dict:
         if sorted(experts) != list(range(len(experts))):
             raise ValueError(f"{name}: experts {sorted(experts)[:8]} are not 0 to "
                              f"{len(experts) - 1}")
-        out[name] = StackedReader([experts[e] for e in range(len(experts))])
+        out[name] = stack([experts[e] for e in range(len(experts))])
     return out
 
 
@@ -411,7 +412,9 @@ def params_from_hf_weights(model_cls: type[nnx.Module], config, current: dict[st
       current: path -> the parameter the engine holds now (global arrays, read back to the host
         only for stacked parameters of which a part changes).
       weights: (HF checkpoint name, float array) pairs, arrays in the checkpoint's orientation
-        (NumPy, jax, or anything `np.asarray` reads), or a dict of them.
+        (NumPy, jax, or anything `np.asarray` reads), or a dict of them. A Mixture-of-Experts
+        model takes its experts stacked (transformers 5's `state_dict()` names) or one tensor
+        per expert (the hub's; every expert of a layer's projection at once).
       dtype: the engine's parameter dtype.
 
     Returns:
@@ -425,7 +428,10 @@ def params_from_hf_weights(model_cls: type[nnx.Module], config, current: dict[st
     widths = model_cls.part_widths(config)
     tp, replicas, H = config.tensor_parallel_size, config.kv_head_replicas, config.head_dim
     changed: dict[str, np.ndarray] = {}
-    for name, array in (weights.items() if isinstance(weights, dict) else weights):
+    # Per-expert tensors (the hub's layout) stacked as the loader stacks them.
+    weights = stack_experts(dict(weights.items() if isinstance(weights, dict) else weights),
+                            model_cls, stack=lambda xs: np.stack([np.asarray(x) for x in xs]))
+    for name, array in weights.items():
         try:
             match = _match_name(patterns, name, config, current)
         except KeyError:
@@ -441,7 +447,7 @@ def params_from_hf_weights(model_cls: type[nnx.Module], config, current: dict[st
                              f"({type(array).__name__}: {e}); pass NumPy or jax arrays") from e
         if not jnp.issubdtype(x.dtype, jnp.floating):  # bfloat16 included
             raise ValueError(f"load_weights: {name!r} is {x.dtype}, not a float array")
-        x = x.T if transpose else x
+        x = np.swapaxes(x, -1, -2) if transpose and x.ndim > 1 else x  # as `_swap_last`
         shape = tuple(current[path].shape)
         below = re.sub(r"^layers\.\d+\.", "", path)
         parts = widths.get(below)
@@ -451,7 +457,7 @@ def params_from_hf_weights(model_cls: type[nnx.Module], config, current: dict[st
                 (*shape[:-1], sum(parts) if part is None else parts[part[0]]))
         if x.shape != want:
             raise ValueError(f"load_weights: {name!r} has shape {np.shape(array)}, the model "
-                             f"expects {want[::-1] if transpose else want}")
+                             f"expects {_swap_last(want) if transpose and len(want) > 1 else want}")
         if parts is None:
             changed[path] = x.astype(dtype)
             continue

@@ -7,7 +7,9 @@ renormalized (`MixtralTopKRouter`), each expert a SwiGLU MLP of `intermediate_si
 Checkpoints hold each expert's w1 (gate), w3 (up) and w2 (down) apart
 (`block_sparse_moe.experts.{j}.w1.weight`, HF's hub layout, which `save_pretrained` writes):
 the loader stacks them by expert (`EXPERT_TENSORS`, `loader.stack_experts`) into
-`experts_gate_up: f[E, D, 2F]` and `experts_down: f[E, F, D]`. The router's training-time
+`experts_gate_up: f[E, D, 2F]` and `experts_down: f[E, F, D]`. transformers 5's modules name
+them `mlp.gate` and `mlp.experts.{gate_up,down}_proj` (stacked, gate and up fused), which
+`load_weights` also reads. The router's training-time
 jitter (`router_jitter_noise`) does not apply at inference.
 """
 
@@ -18,6 +20,7 @@ from typing import Any, ClassVar
 
 from jaxpaged.models.config import LlamaConfig
 from jaxpaged.models.llama import LLAMA_NAME_MAP, LlamaForCausalLM
+from jaxpaged.models.moe import RUNTIME_EXPERTS_NAME_MAP
 from jaxpaged.models.moe import MoeConfig, MoeModel, MoeSpec, Routing
 
 _MOE = "model.layers.{i}.block_sparse_moe"
@@ -26,6 +29,9 @@ MIXTRAL_NAME_MAP = tuple(e for e in LLAMA_NAME_MAP if ".mlp." not in e[0]) + (
     (f"{_MOE}.experts.w1", "layers.{i}.mlp.experts_gate_up", True, (0, 2)),
     (f"{_MOE}.experts.w3", "layers.{i}.mlp.experts_gate_up", True, (1, 2)),
     (f"{_MOE}.experts.w2", "layers.{i}.mlp.experts_down", True, None),
+    # transformers 5's module names (`load_weights` of a trainer's `state_dict()`)
+    ("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.kernel", True, None),
+    *RUNTIME_EXPERTS_NAME_MAP,
 )
 
 

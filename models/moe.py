@@ -254,13 +254,19 @@ def experts_parallel(mesh, x, weights, ids, gate_up, down, act, path: str | None
 
 
 # The checkpoint layout Qwen2/3-MoE and OLMoE share: the router `mlp.gate`, each expert's
-# `mlp.experts.{j}.{gate,up,down}_proj`, stacked by expert on load (`EXPERT_TENSORS`).
+# `mlp.experts.{j}.{gate,up,down}_proj`, stacked by expert on load (`EXPERT_TENSORS`); and
+# `RUNTIME_EXPERTS_NAME_MAP`, transformers 5's own modules' (gate and up fused, experts stacked:
+# what a trainer's `state_dict()` passes to `load_weights`).
 _MLP = "model.layers.{i}.mlp"
+RUNTIME_EXPERTS_NAME_MAP = (
+    (f"{_MLP}.experts.gate_up_proj", "layers.{i}.mlp.experts_gate_up", True, None),
+    (f"{_MLP}.experts.down_proj", "layers.{i}.mlp.experts_down", True, None),
+)
 EXPERTS_NAME_MAP = (
     (f"{_MLP}.gate.weight", "layers.{i}.mlp.router.kernel", True, None),
     (f"{_MLP}.experts.gate_proj", "layers.{i}.mlp.experts_gate_up", True, (0, 2)),
     (f"{_MLP}.experts.up_proj", "layers.{i}.mlp.experts_gate_up", True, (1, 2)),
-    (f"{_MLP}.experts.down_proj", "layers.{i}.mlp.experts_down", True, None),
+    *RUNTIME_EXPERTS_NAME_MAP,  # its down_proj is also the stacked checkpoint's name
 )
 EXPERT_TENSORS = tuple((f"{_MLP}.experts.{{j}}.{p}.weight", f"{_MLP}.experts.{p}")
                        for p in ("gate_proj", "up_proj", "down_proj"))

@@ -219,3 +219,42 @@ def test_olmoe_refuses_tensor_parallelism_past_its_kv_heads():
     with pytest.raises(ValueError, match="tensor_parallel_size=4 exceeds OLMoE's "
                                          "num_key_value_heads=2"):
         config.for_tensor_parallel(4)
+
+
+def test_load_weights_takes_a_transformers_state_dict_and_the_hubs_per_expert_names(
+        make_llm, tiny_mixtral, tmp_path):
+    """The research API on an MoE model: `load_weights` of another model's `state_dict()`
+    (transformers 5's names: `mlp.gate`, the experts stacked with gate and up fused), then of
+    checkpoint tensors with each expert apart (the hub's names, stacked as the loader stacks
+    them): each time the greedy ids of the model whose weights went in; `get_params` /
+    `update_params` keep them."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file
+
+    from conftest import TINY_CONFIG
+
+    torch.manual_seed(1)
+    other = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **TINY_CONFIG, num_local_experts=8, num_experts_per_tok=2)).eval()
+    other.save_pretrained(tmp_path)
+    llm = make_llm(tiny_mixtral)
+    prompt = "Hello there my friend"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = lambda: llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    before = ids()
+    tokens = torch.tensor([llm.get_tokenizer()(prompt).input_ids])
+    with torch.no_grad():
+        want = other.generate(tokens, max_new_tokens=8, do_sample=False,
+                              attention_mask=torch.ones_like(tokens))[0, tokens.shape[1]:]
+    assert before != want.tolist()
+    llm.load_weights(other.state_dict())
+    assert ids() == want.tolist()
+    hub = load_file(tiny_mixtral / "model.safetensors")
+    assert "model.layers.0.block_sparse_moe.experts.7.w1.weight" in hub
+    llm.load_weights(hub)
+    assert ids() == before
+    llm.load_weights(load_file(tmp_path / "model.safetensors"))
+    assert ids() == want.tolist()
+    llm.update_params(llm.get_params())
+    assert ids() == want.tolist()

@@ -239,7 +239,8 @@ class GGUFTensor:
 def _hf_names(name_map, family, n_layers: int) -> dict[str, str]:
     """GGUF tensor name -> HF name, for the tensors of the engine `family`'s NAME_MAP. Its
     stacked experts' names (no `.weight`: `loader.stack_experts`'s) are the GGUF's merged
-    `ffn_*_exps.weight`."""
+    `ffn_*_exps.weight`. Where two HF names map to one GGUF name (a checkpoint's and
+    transformers 5's module name), the first in the name map (the checkpoint's) is kept."""
     hf_names = {}
     for pattern, *_ in family.NAME_MAP:
         stacked = not pattern.endswith((".weight", ".bias"))
@@ -248,7 +249,7 @@ def _hf_names(name_map, family, n_layers: int) -> dict[str, str]:
             gguf_name = name_map.get_name(base.format(i=i))
             if gguf_name is not None:
                 hf = base.format(i=i)
-                hf_names[f"{gguf_name}.{suffix}"] = hf if stacked else f"{hf}.{suffix}"
+                hf_names.setdefault(f"{gguf_name}.{suffix}", hf if stacked else f"{hf}.{suffix}")
     return hf_names
 
 
