@@ -88,7 +88,7 @@ def block_experts(block, x, weights, ids):
     scales = None if block.experts_gate_up_scale is None else (
         block.experts_gate_up_scale[...], block.experts_down_scale[...])
     path = block.path
-    if path is None and block.kernel and moe_experts.fits(x, gate_up, down, block.activation,
+    if path is None and block.moe_kernel and moe_experts.fits(x, gate_up, down, block.activation,
                                                           block.tp):
         path = "kernel"
     return moe.experts_forward(x, weights, ids, gate_up, down, block.act, path, block.tp,

@@ -429,8 +429,13 @@ def params_from_hf_weights(model_cls: type[nnx.Module], config, current: dict[st
     tp, replicas, H = config.tensor_parallel_size, config.kv_head_replicas, config.head_dim
     changed: dict[str, np.ndarray] = {}
     # Per-expert tensors (the hub's layout) stacked as the loader stacks them.
-    weights = stack_experts(dict(weights.items() if isinstance(weights, dict) else weights),
-                            model_cls, stack=lambda xs: np.stack([np.asarray(x) for x in xs]))
+    try:
+        weights = stack_experts(dict(weights.items() if isinstance(weights, dict) else weights),
+                                model_cls, stack=lambda xs: np.stack([np.asarray(x) for x in xs]))
+    except (TypeError, ValueError, RuntimeError) as e:  # e.g. a torch bfloat16 expert
+        raise ValueError(f"load_weights: the experts' tensors cannot be stacked ({e}); pass "
+                         "NumPy or jax float arrays, every expert of a layer's projection in "
+                         "one call") from e
     for name, array in weights.items():
         try:
             match = _match_name(patterns, name, config, current)

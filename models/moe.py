@@ -102,8 +102,9 @@ def recording_routes():
 
 
 def stacked_routes(routes: list[jax.Array]) -> jax.Array | None:
-    """i32[L_moe, T, k] of the ids `recording_routes` collected (None: a model without MoE)."""
-    return jnp.stack(routes).astype(jnp.int32) if routes else None
+    """i16[L_moe, T, k] of the ids `recording_routes` collected (None: a model without MoE);
+    int16 halves what the host reads (`worker.routed_experts` refuses more experts)."""
+    return jnp.stack(routes).astype(jnp.int16) if routes else None
 
 
 def _split_gate_up(h: jax.Array, tp: int) -> tuple[jax.Array, jax.Array]:
@@ -372,11 +373,11 @@ class SparseMoeBlock(nnx.Module):
     f32[E, 2F]` and `experts_down_scale: f32[E, D]` (None while float).
 
     `path`: forces one of `PATHS` (tests, benchmarks); None: the C++ kernel where the engine
-    turned `kernel` on (`enable_moe_kernel`) and it fits, else `choose_path` by step size.
+    turned `moe_kernel` on (`enable_moe_kernel`) and it fits, else `choose_path` by step size.
     """
 
     path: str | None = None
-    kernel = False
+    moe_kernel = False
 
     def __init__(self, config, *, dtype, rngs: nnx.Rngs, routing: Routing, num_experts: int,
                  intermediate_size: int, shared_intermediate_size: int = 0,
@@ -453,8 +454,8 @@ class SparseMoeBlock(nnx.Module):
                                    self.path, scales)
         else:
             path = self.path
-            if path is None and self.kernel and experts_kernel.fits(x, gate_up, down,
-                                                                   self.activation, self.tp):
+            if path is None and self.moe_kernel and experts_kernel.fits(
+                    x, gate_up, down, self.activation, self.tp):
                 path = "kernel"
             out = experts_forward(x, weights, ids, gate_up, down, self.act, path, self.tp,
                                   scales)
@@ -464,11 +465,11 @@ class SparseMoeBlock(nnx.Module):
 
 
 def enable_moe_kernel(model: nnx.Module) -> int:
-    """Turns the C++ experts kernel on in `model`'s MoE layers (`SparseMoeBlock.kernel`; for an
+    """Turns the C++ experts kernel on in `model`'s MoE layers (`SparseMoeBlock.moe_kernel`; for an
     engine on one CPU device with float32 activations); returns how many layers."""
     count = 0
     for _, node in nnx.iter_graph(model):
         if isinstance(node, SparseMoeBlock):
-            node.kernel = True
+            node.moe_kernel = True
             count += 1
     return count

@@ -185,3 +185,32 @@ def test_the_server_returns_routes_as_its_extension_field(make_llm, moe_model):
         r = httpx.post(f"{server.url}/v1/completions", timeout=60,
                        json={**body, "prompt": "Hi", "stream": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "return_routed_experts"
+
+
+def test_a_recomputed_sequence_keeps_its_first_routes_and_outputs_are_read_only_views():
+    """`RoutedExperts` on its own: a preempted sequence's recomputation (other ids) leaves the
+    routes of its tokens as first written and fills only its last token's; a verifying step's
+    rows past the last token are overwritten by the next; the output is a view no later step
+    changes, and writing to it fails."""
+    from jaxpaged.core.sequence import Sequence
+    from jaxpaged.worker.routed_experts import RoutedExperts, routes_of
+
+    store = RoutedExperts(num_blocks=4, block_size=4, num_layers=2, top_k=2)
+    seq = Sequence("r", 0, list(range(6)), SamplingParams(return_routed_experts=True), seed=0)
+    seq.block_table = [2, 0]
+    step = lambda start, ids: store.record(
+        [seq], np.array([start]), np.array([len(ids)]),
+        np.array([[2, 0][p // 4] * 4 + p % 4 for p in range(start, start + len(ids))]),
+        np.broadcast_to(np.asarray(ids, np.int16)[None, :, None], (2, len(ids), 2)))
+    step(0, [1, 1, 1, 1, 1, 1])  # the prompt and a proposal past it: positions 0..5
+    out = routes_of(seq)
+    assert out.shape == (5, 2, 2) and (out == 1).all()
+    step(0, [7, 7, 7, 7, 7, 7])  # recomputed after preemption: rows 0..4 stay, row 5 is new
+    assert (routes_of(seq) == 1).all() and (seq.routed_experts[5] == 7).all()
+    seq.token_ids.append(6)
+    step(6, [3])
+    assert routes_of(seq).shape == (6, 2, 2) and (routes_of(seq)[5] == 7).all()
+    assert (out == 1).all() and out.shape == (5, 2, 2)  # the earlier view is unchanged
+    with pytest.raises(ValueError, match="read-only"):
+        out[0, 0, 0] = 2
+    assert (store.slots[[8, 9, 10, 11, 0, 1]] == 7).all()  # the slots hold the latest

@@ -61,7 +61,7 @@ class Platform:
 
     def use_moe_kernel(self, dtype, tensor_parallel: bool) -> bool:
         """Whether the model's Mixture-of-Experts layers run their experts on the MoE kernel
-        (`models.moe.SparseMoeBlock.kernel`)."""
+        (`models.moe.SparseMoeBlock.moe_kernel`)."""
         return False
 
     # Batch invariance (`LLM(batch_invariant=True)`).

@@ -56,7 +56,7 @@ WARM_UP_TOKENS = 8  # `precompile` also runs each shape of at most this many tok
 def _uses_kernel(model: nnx.Module, flag: str) -> bool:
     """Whether the engine turned a kernel on in `model` (a program apart): the few-row matmul
     ("few_row_kernel", `models.layers`), the LoRA one ("lora_kernel", `models.lora.LoRA`) or
-    the MoE one ("kernel", `models.moe.SparseMoeBlock`)."""
+    the MoE one ("moe_kernel", `models.moe.SparseMoeBlock`)."""
     return any(getattr(node, flag, False) for _, node in nnx.iter_graph(model))
 
 
@@ -134,7 +134,7 @@ class ModelRunner:
             f"invariant={getattr(self.backend, 'invariant', False)}",
             f"few_row_kernel={_uses_kernel(model, 'few_row_kernel')}",
             f"lora_kernel={_uses_kernel(model, 'lora_kernel')}",
-            f"moe_kernel={_uses_kernel(model, 'kernel')}",
+            f"moe_kernel={_uses_kernel(model, 'moe_kernel')}",
             f"activations={activation_modes(model)}",
             repr(None if self.mesh is None else self.mesh.devices.tolist())),
             None if self.mesh is None else list(self.mesh.devices.flat))
@@ -228,7 +228,7 @@ class ModelRunner:
                   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, jax.Array | None]:
         """Runs the model step on `batch` and keeps the updated pool; returns the logits,
         unless `all_positions` each logits row's greedy draw (`sampler.greedy_draw`), and an
-        MoE model's i32[L_moe, T, k] expert ids (`models.moe.stacked_routes`)."""
+        MoE model's i16[L_moe, T, k] expert ids (`models.moe.stacked_routes`)."""
         args = (self.param_leaves, self.kv_cache.pool, batch)
         *out, self.kv_cache.pool = self._executable(self._step, args, all_positions)(*args)
         return tuple(out)
@@ -370,9 +370,10 @@ class ModelRunner:
         else:
             logits, greedy, routes = self._run_step(dataclasses.replace(
                 batch, logits_indices=logits_indices))
-        if self.routes is not None:
+        sampled = self._sample_rows(out, logits, greedy, spec, first_logit)
+        if self.routes is not None:  # read after the sampler's call, which waits for the step
             self.routes.record_step(out.seqs, out.num_scheduled_tokens, batch, routes)
-        return self._sample_rows(out, logits, greedy, spec, first_logit), prompt_lps
+        return sampled, prompt_lps
 
     def _sample_rows(self, out: SchedulerOutput, logits: jax.Array, greedy: tuple | None,
                      spec: list[list[int]], first_logit: np.ndarray

@@ -60,7 +60,7 @@ def multi_step(graphdef, treedef, leaves: list[jax.Array], kv_cache, first_ids: 
 
     Returns:
       ((i32[k, S] each step's argmax per row, f32[k, S] its raw log-probability, an MoE
-      model's i32[k, L_moe, T, k_experts] expert ids or None), kv_cache).
+      model's i16[k, L_moe, T, k_experts] expert ids or None), kv_cache).
     """
     params = jax.tree.unflatten(treedef, leaves)
     T = first_ids.shape[0]

@@ -11,9 +11,13 @@ Every step of a Mixture-of-Experts model returns each MoE layer's expert ids for
     reuses blocks another request computed, and their tokens' routes are read from there;
   - by position in each sequence that asked (`Sequence.routed_experts`), written as its tokens
     are computed, so that a finished sequence's record outlives its blocks.
-Routes are a function of the tokens before them, as the KV is, so a recomputed (preempted) or
-reused (prefix-cached) token has the routes it had. A verifying step's rejected proposals are
-written past the sequence's last computed token and overwritten when that position is computed.
+Routes are a function of the tokens before them, as the KV is, so a reused (prefix-cached)
+token has the routes it had. A sequence's record keeps the first routes written for each of
+its tokens: a preempted sequence's recomputation (whose step, of another size, may round a
+near tie the other way) does not rewrite the routes its next tokens were sampled under, and
+the outputs can hand out read-only views of the record that later steps never change. A
+verifying step's rejected proposals are written past the sequence's last token, where the
+token that is computed there later overwrites them.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ class RoutedExperts:
           seqs: the step's sequences (`core.sequence.Sequence`), in row order.
           starts, counts: i32[S] each row's first position computed and how many.
           slot_mapping: i32[T] each token's pool slot (-1: padding).
-          routes: i32[L_moe, T, k] the step's expert ids, the rows' tokens packed in order.
+          routes: i16[L_moe, T, k] the step's expert ids, the rows' tokens packed in order.
         """
         by_token = routes.transpose(1, 0, 2).astype(ROUTE_DTYPE)  # [T, L, k]
         real = slot_mapping >= 0
@@ -80,7 +84,7 @@ class RoutedExperts:
     def record_steps(self, seqs, starts: np.ndarray, slot_mappings: np.ndarray,
                      routes: np.ndarray) -> None:
         """Writes k decode steps' routes (`worker.multi_step`): `slot_mappings: i32[k, T]`,
-        `routes: i32[k, L_moe, T, k_experts]`; row r's token is token r of each step, at
+        `routes: i16[k, L_moe, T, k_experts]`; row r's token is token r of each step, at
         position `starts[r] + i` in step i."""
         ones = np.ones(len(seqs), np.int32)
         for i in range(routes.shape[0]):
@@ -92,27 +96,33 @@ class RoutedExperts:
         view[np.asarray(dst)] = view[np.asarray(src)]
 
     def _write(self, seq, start: int, rows: np.ndarray) -> None:
-        """Positions start.. of `seq` take `rows`; positions before `start` that it has no
-        record of (a prefix-cache hit, or a sequence's first step after a fork) are read from
-        the slots of its blocks, which hold them."""
+        """Positions start.. of `seq` take `rows`, but for those of its tokens already recorded
+        (recomputed after preemption: the first routes stay); positions before `start` that it
+        has no record of (a prefix-cache hit) are read from the slots of its blocks."""
         known, need = seq.num_routed, start + len(rows)
+        final = min(known, seq.num_tokens - 1)  # rows of its tokens, recorded: kept
         capacity = 0 if seq.routed_experts is None else len(seq.routed_experts)
         if capacity < need:
             grown = np.zeros((max(need, 2 * capacity), *self.slots.shape[1:]), ROUTE_DTYPE)
-            grown[:known] = seq.routed_experts[:known] if known else grown[:0]
+            if known:
+                grown[:known] = seq.routed_experts[:known]
             seq.routed_experts = grown
         if known < start:
             pos = np.arange(known, start)
             table = np.asarray(seq.block_table, np.int64)
             seq.routed_experts[known:start] = self.slots[
                 table[pos // self.block_size] * self.block_size + pos % self.block_size]
-        seq.routed_experts[start:need] = rows
+        first = max(start, final)
+        seq.routed_experts[first:need] = rows[first - start:]
         seq.num_routed = max(known, need)
 
 
 def routes_of(seq) -> np.ndarray | None:
     """i16[N - 1, L_moe, k] the routes of `seq`'s tokens but its last (N tokens; the last has
-    not been through the model), or None where it did not ask."""
+    not been through the model), or None where it did not ask: a read-only view of its record,
+    whose rows no later step changes (`RoutedExperts._write`)."""
     if seq.routed_experts is None:
         return None
-    return seq.routed_experts[:min(seq.num_routed, seq.num_tokens - 1)].copy()
+    view = seq.routed_experts[:min(seq.num_routed, seq.num_tokens - 1)]
+    view.flags.writeable = False
+    return view

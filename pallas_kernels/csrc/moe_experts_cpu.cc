@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -207,10 +208,11 @@ void ForRows(ffi::ThreadPool& pool, int64_t rows, int64_t per_task, Fn fn) {
 }
 
 template <class W>
-ffi::Error Experts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weights,
-                   ffi::Buffer<ffi::S32> ids, const W* gate_up, const W* down,
-                   const float* gate_up_scale, const float* down_scale, int64_t E, int64_t F,
-                   ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error ExpertsOrThrow(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> ids,
+                          const W* gate_up, const W* down, const float* gate_up_scale,
+                          const float* down_scale, int64_t E, int64_t F,
+                          ffi::ResultBuffer<ffi::F32> y) {
   const int64_t T = x.dimensions()[0], D = x.dimensions()[1], k = ids.dimensions()[1];
   const int64_t P = T * k;
   const int32_t* id = ids.typed_data();
@@ -274,6 +276,22 @@ ffi::Error Experts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     }
   });
   return ffi::Error::Success();
+}
+
+// `ExpertsOrThrow`, its scratch buffers' allocation failing as an error (an exception must not
+// cross the FFI boundary).
+template <class W>
+ffi::Error Experts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> weights,
+                   ffi::Buffer<ffi::S32> ids, const W* gate_up, const W* down,
+                   const float* gate_up_scale, const float* down_scale, int64_t E, int64_t F,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  try {
+    return ExpertsOrThrow<W>(pool, x, weights, ids, gate_up, down, gate_up_scale, down_scale,
+                             E, F, y);
+  } catch (const std::bad_alloc&) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "moe_experts_cpu: out of memory for the step's scratch buffers");
+  }
 }
 
 // The shapes every caller's buffers must have; an error names what differs.
