@@ -23,7 +23,13 @@ class CacheConfig:
 
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # blocks in the pool; overrides kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 2 << 30  # pool budget in bytes when num_kv_blocks is None
+    # The pool's budget in bytes when num_kv_blocks is None; None: sized from the devices'
+    # memory where they report it (GPU: `gpu_memory_utilization`), else 2 GiB (`worker.memory`).
+    kv_cache_memory_bytes: int | None = None
+    # The fraction of the devices' memory the engine may use, weights and activations first,
+    # the rest to the pool, when neither num_kv_blocks nor kv_cache_memory_bytes is given;
+    # None: 0.9 (vLLM's meaning and default).
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True  # share cached K/V of common prompt prefixes
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; "auto": the model's dtype
 
@@ -33,9 +39,15 @@ class CacheConfig:
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
                                                or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be an int >= 1, got {self.num_kv_blocks!r}")
-        if not isinstance(self.kv_cache_memory_bytes, int) or self.kv_cache_memory_bytes < 1:
+        if self.kv_cache_memory_bytes is not None and (
+                not isinstance(self.kv_cache_memory_bytes, int)
+                or self.kv_cache_memory_bytes < 1):
             raise ValueError(
                 f"kv_cache_memory_bytes must be an int >= 1, got {self.kv_cache_memory_bytes!r}")
+        u = self.gpu_memory_utilization
+        if u is not None and (not isinstance(u, (int, float)) or isinstance(u, bool)
+                              or not 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, "
                              f"got {self.enable_prefix_caching!r}")
@@ -65,6 +77,9 @@ class SchedulerConfig:
     # Decode steps run in a row, with their draws made on the device, when every running
     # sequence decodes greedily and nothing waits (`core.scheduler`, multi-step decoding).
     num_scheduler_steps: int = 1
+    # Step i + 1 prepared and launched while the device runs step i, its decode inputs read from
+    # step i's draws on the device (`engine.async_scheduling`); multi-step calls run as before.
+    async_scheduling: bool = False
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_partial_prefills",
@@ -88,6 +103,8 @@ class SchedulerConfig:
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be an int >= 1, "
                              f"got {self.max_num_batched_tokens!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
 
 
 # -- the rest of the engine's configuration (`EngineArgs.create_engine_config` builds it) --------

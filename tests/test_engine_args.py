@@ -20,7 +20,8 @@ FIELDS = dataclasses.fields(EngineArgs)
 SPEC = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
 # Values for the fields whose non-default value cannot be derived from their type and metadata.
 FREE_FORM = {"coordinator_address": "127.0.0.1:1234", "compilation_cache_dir": "/tmp/jp-cache",
-             "generation_config": "vllm", "speculative_config": SPEC}
+             "generation_config": "vllm", "speculative_config": SPEC,
+             "gpu_memory_utilization": 0.5}
 # Where a value lands in EngineConfig in another form than given.
 RESOLVED = {"speculative_config": SpeculativeConfig.from_dict(SPEC)}
 # The positional arguments each command with engine flags needs.

@@ -239,8 +239,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
-                continue
+            if seq.status is not SequenceStatus.RUNNING or seq.length_capped:
+                continue  # preempted earlier in this loop, or its last token is not known yet
             decoding = _is_decode(seq)
             decodes_left -= decoding
             if self.recompute_at is not None and self._passes_recompute_length(seq):

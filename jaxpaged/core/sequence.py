@@ -11,6 +11,11 @@ import numpy as np
 from jaxpaged.sampling_params import SamplingParams
 
 
+# A drawn token whose value the host does not know yet (async scheduling books a step before its
+# draws come back: `core.async_booking`); the next step reads it on the device.
+PLACEHOLDER = -1
+
+
 def completion_seed(seed: int, index: int) -> int:
     """Seed of a request's completion `index`: seed + index (vLLM's convention for n > 1)."""
     return (seed + index) % 2**64
@@ -88,6 +93,9 @@ class Sequence:
         # model) and its device slot while admitted (0: none).
         self.lora = None
         self.lora_slot = 0
+        # Async scheduling: its last token is drawn but not known yet and is its last by
+        # length (max_tokens, max_model_len), so no step computes it (`core.async_booking`).
+        self.length_capped = False
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0

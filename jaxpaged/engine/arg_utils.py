@@ -68,6 +68,13 @@ def _option(default, config: str, help: str, *, choices: tuple | None = None,
         check=check))
 
 
+def _fraction(value) -> None:
+    """`gpu_memory_utilization`'s check: None or a number in (0, 1]."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value <= 1):
+        raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {value!r}")
+
+
 @dataclasses.dataclass
 class EngineArgs:
     """The options of one engine (`LLM(**kwargs)`, the CLI's engine flags, the manifest).
@@ -106,12 +113,21 @@ class EngineArgs:
         "plainly greedily and nothing waits; default 8 in LLM (offline: the requests are all "
         "known), 1 in jaxpaged serve and EngineArgs (a new request would wait for the call)",
         min=1)
+    async_scheduling: bool = _option(
+        False, "scheduler.async_scheduling", "prepare and launch each step while the device "
+        "runs the one before, its draws read one step late (LLM then defaults "
+        "num_scheduler_steps to 1; multi-step calls run synchronously)")
     block_size: int = _option(16, "cache.block_size", "tokens per KV block", min=1)
     num_kv_blocks: int | None = _option(
         None, "cache.num_kv_blocks", "blocks in the KV pool; default: as many as "
         "kv_cache_memory_bytes holds", min=1)
-    kv_cache_memory_bytes: int = _option(
-        2 << 30, "cache.kv_cache_memory_bytes", "KV pool budget in bytes, over all devices "
+    gpu_memory_utilization: float | None = _option(
+        None, "cache.gpu_memory_utilization", "the fraction of the devices' memory the engine "
+        "may use (weights and the largest step's activations first, the rest to the KV pool) "
+        "where they report it (GPU); default 0.9; kv_cache_memory_bytes overrides it",
+        check=_fraction)
+    kv_cache_memory_bytes: int | None = _option(
+        None, "cache.kv_cache_memory_bytes", "KV pool budget in bytes, over all devices "
         "(jaxpaged generate and chat take at most what their sequences can fill)", min=1)
     enable_prefix_caching: bool = _option(
         True, "cache.enable_prefix_caching", "reuse the KV blocks of common prompt prefixes")
@@ -322,8 +338,8 @@ def _union(hint) -> tuple:
 
 
 def _cli_kind(hint) -> type:
-    """The type a flag parses: the first of bool, int and str in the field's union."""
-    return next(t for t in _union(hint) if t in (bool, int, str))
+    """The type a flag parses: the first of bool, int, float and str in the field's union."""
+    return next(t for t in _union(hint) if t in (bool, int, float, str))
 
 
 def _cli_text(choice) -> str:

@@ -15,12 +15,14 @@ from jaxpaged.worker import compilation_cache
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.config import EngineConfig
 from jaxpaged.errors import EngineDeadError, InvalidRequestError
+from jaxpaged.engine.async_scheduling import AsyncScheduling
 from jaxpaged.engine.faults import FaultIsolatingExecutor, describe
 from jaxpaged.engine.embedding import Embedder
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.processor import RequestProcessor
 from jaxpaged.engine.setup import (build_runner, load_engine_model, make_backend,
-                                   max_spec_step_tokens, size_pool)
+                                   max_spec_step_tokens, size_pool,
+                                   size_pool_from_memory)
 from jaxpaged.engine.stats import engine_stats
 from jaxpaged.engine.weights import EngineWeights
 from jaxpaged.lora import LoRAManager, LoRARequest, check_lora_config, resolve_lora
@@ -74,8 +76,9 @@ class LLMEngine:
         check_lora_config(config)
         backend, precompile = make_backend(config.execution, self.kv_cache_dtype, self.mesh)
         self.attention_backend = backend.name
+        devices = None if self.mesh is None else list(self.mesh.devices.flat)
         cache_config, num_blocks = size_pool(config.cache, self.model_config, self.kv_cache_dtype,
-                                             self.scheduler_config.max_model_len)
+                                             self.scheduler_config.max_model_len, devices)
         if cache_config is not config.cache:
             self.config = dataclasses.replace(config, cache=cache_config)
         self.cache_config = cache_config
@@ -87,6 +90,9 @@ class LLMEngine:
             tokenizer = pool.submit(load_tokenizer, model_dir)
             model = self._load_model(backend)
             self.model_cls, sites = type(model), lora_sites(model)
+            if num_blocks is None:  # from the devices' memory, the weights loaded
+                num_blocks = size_pool_from_memory(model, cache_config, self.kv_cache_dtype,
+                                                   self.scheduler_config, devices)
             self.runner = build_runner(
                 model, cache_config, num_blocks, self.kv_cache_dtype, self.scheduler_config,
                 cache_dir, self.batch_invariant, precompile,
@@ -114,6 +120,9 @@ class LLMEngine:
                                                if self.runner.num_scheduler_steps > 1
                                                else None))
         self.executor = FaultIsolatingExecutor(self.runner)
+        # Step i + 1 launched before step i's draws are read (`engine.async_scheduling`).
+        self.async_scheduling = (AsyncScheduling(self) if self.scheduler_config.async_scheduling
+                                 and self.speculative_config is None else None)
         self.proposer = (None if self.speculative_config is None else make_proposer(
             self.speculative_config, ProposerContext(
                 self.model_config, self.dtype, backend, self.cache_config, num_blocks,
@@ -212,6 +221,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns the outputs of the requests it advanced, each
         as its `SamplingParams.output_kind` says (a FINAL_ONLY request only when it finishes).
+        Under async scheduling (`async_scheduling`), the outputs are those of the step before,
+        whose draws were read while this one runs.
 
         Finished requests are returned once with `finished=True` and then forgotten. A request
         that a fault in the step is traced to (see `FaultIsolatingExecutor`) is returned
@@ -221,6 +232,18 @@ class LLMEngine:
           EngineDeadError: a fatal fault (see `jaxpaged.errors`); the engine is unusable.
         """
         self._check_alive()
+        if self.async_scheduling is not None:
+            return self.async_scheduling.step()
+        out = self.schedule()
+        return [] if out is None else self.run_step(out)
+
+    def schedule(self):
+        """The scheduler's next step (`Scheduler.schedule`), None when it runs nothing; sets
+        the first scheduled time of the requests in it.
+
+        Raises:
+          EngineDeadError: the scheduler failed (its state can no longer be trusted).
+        """
         if self.proposer is not None:  # each decoding sequence's proposals for this step
             set_proposals(self.proposer, self.speculative_config, self.scheduler.running,
                           len(self.scheduler.waiting), self.scheduler_config.max_model_len)
@@ -230,11 +253,16 @@ class LLMEngine:
             self.dead = EngineDeadError(f"the scheduler failed: {describe(e)}")
             raise self.dead from e
         if out is None or not out.seqs:
-            return []
+            return None
         now = time.time()
         for seq in out.seqs:
             m = self.requests[seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
+        return out
+
+    def run_step(self, out) -> list[RequestOutput]:
+        """Runs scheduled step `out` through the fault-isolating executor, books it and returns
+        its outputs (`step`)."""
         try:
             sampled, prompt_lps, failed = self.executor.execute(out)
         except EngineDeadError as e:
@@ -242,15 +270,23 @@ class LLMEngine:
             raise
         now = time.time()
         update = self.scheduler.update_from_output(out, sampled, set(failed))
-        self.num_prompt_tokens += update.num_prompt_tokens
         for row, lps in prompt_lps.items():
             request = self.requests[out.seqs[row].request_id]
             if request.request_id not in failed and request.prompt_logprobs is None:
                 request.prompt_logprobs = self.output_processor.prompt_logprob_dicts(
                     request, lps)
+        return self.outputs(out, update, failed, now)
+
+    def outputs(self, out, update, failed: dict[str, str], now: float) -> list[RequestOutput]:
+        """The host side of booked step `out` (`StepUpdate` `update`): each appended token's
+        text, logprobs and stop strings, the requests of `failed` ({request id: reason})
+        failed, and the outputs of the requests it advanced (`step`)."""
+        self.num_prompt_tokens += update.num_prompt_tokens
         touched = {}
         for row, appended in update.appended:
-            request = self.requests[out.seqs[row].request_id]
+            request = self.requests.get(out.seqs[row].request_id)
+            if request is None:  # aborted while its step ran (async scheduling)
+                continue
             try:
                 self.output_processor.advance(request, appended, now)
                 touched[request.request_id] = request
@@ -258,8 +294,9 @@ class LLMEngine:
                 logger.exception("request %s failed after its step", request.request_id)
                 failed[request.request_id] = describe(e)
         for request_id, reason in failed.items():
-            touched[request_id] = self._fail(self.requests[request_id], reason)
-            self.num_failed_requests += 1
+            if request_id in self.requests:
+                touched[request_id] = self._fail(self.requests[request_id], reason)
+                self.num_failed_requests += 1
         if self.proposer is not None:  # the draft's state of sequences that finished goes
             self.proposer.release(self.scheduler.running)
         outputs = []

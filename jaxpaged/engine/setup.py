@@ -21,7 +21,8 @@ from jaxpaged.pallas_kernels import make_attention_backend
 from jaxpaged.platforms import current_platform
 from jaxpaged.platforms.interface import INT8_MATMUL
 from jaxpaged.spec_decode import SpeculativeConfig
-from jaxpaged.worker.kv_cache import code_dtype, num_kv_blocks
+from jaxpaged.worker import memory
+from jaxpaged.worker.kv_cache import code_dtype, kv_cache_bytes_per_token, num_kv_blocks
 from jaxpaged.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -134,12 +135,17 @@ def make_backend(execution: ExecutionConfig, kv_cache_dtype: str, mesh):
 
 
 def size_pool(cache_config: CacheConfig, model_config: ModelConfig, kv_cache_dtype: str,
-              max_model_len: int) -> tuple[CacheConfig, int]:
+              max_model_len: int, devices=None) -> tuple[CacheConfig, int | None]:
     """The cache config in force (prefix caching off for a RoPE that switches with the
-    length) and the pool's number of blocks (`kv_cache.num_kv_blocks`).
+    length) and the pool's number of blocks (`kv_cache.num_kv_blocks`), or None where it is
+    sized from the memory of `devices` (default: the local ones) once the weights are loaded
+    (`size_pool_from_memory`): neither `num_kv_blocks` nor `kv_cache_memory_bytes` given, and
+    the devices report their memory (`worker.memory`). Elsewhere (CPU) the budget is
+    `kv_cache_memory_bytes`, `memory.DEFAULT_KV_CACHE_MEMORY_BYTES` unless given.
 
     Raises:
-      ValueError: the pool cannot hold one sequence of `max_model_len` tokens.
+      ValueError: the pool cannot hold one sequence of `max_model_len` tokens, or
+        `gpu_memory_utilization` was given for devices that report no memory.
     """
     if cache_config.enable_prefix_caching and model_config.rope_switch_length:
         # A block's K/V then depends on its sequence's length (longrope rotates with the
@@ -147,10 +153,53 @@ def size_pool(cache_config: CacheConfig, model_config: ModelConfig, kv_cache_dty
         logger.warning("prefix caching is off: this model's RoPE (longrope) makes cached "
                        "blocks depend on the length of the sequence that computed them")
         cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
+    if cache_config.num_kv_blocks is None and cache_config.kv_cache_memory_bytes is None:
+        if memory.device_memory(devices) is not None:
+            return cache_config, None
+        if cache_config.gpu_memory_utilization is not None:
+            raise ValueError(f"gpu_memory_utilization={cache_config.gpu_memory_utilization}: "
+                             "these devices report no memory (Device.memory_stats); size the "
+                             "pool with kv_cache_memory_bytes or num_kv_blocks")
+        cache_config = dataclasses.replace(
+            cache_config, kv_cache_memory_bytes=memory.DEFAULT_KV_CACHE_MEMORY_BYTES)
     num_blocks = num_kv_blocks(model_config, cache_config, kv_cache_dtype)
+    _check_pool_size(num_blocks, cache_config, max_model_len)
+    return cache_config, num_blocks
+
+
+def _check_pool_size(num_blocks: int, cache_config: CacheConfig, max_model_len: int) -> None:
     if num_blocks * cache_config.block_size < max_model_len:
         raise ValueError(
             f"the KV pool holds {num_blocks} blocks of {cache_config.block_size} tokens, "
             f"fewer than max_model_len={max_model_len}: raise num_kv_blocks / "
-            "kv_cache_memory_bytes or lower max_model_len")
-    return cache_config, num_blocks
+            "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len")
+
+
+def size_pool_from_memory(model: nnx.Module, cache_config: CacheConfig, kv_cache_dtype: str,
+                          scheduler: SchedulerConfig, devices=None) -> int:
+    """The pool's blocks from the devices' memory with the weights loaded (`worker.memory`):
+    `gpu_memory_utilization` (default `memory.DEFAULT_GPU_MEMORY_UTILIZATION`) of it, less
+    what is in use and the activations of the largest step, profiled by compiling that step
+    over a pool of one sequence.
+
+    Raises:
+      ValueError: nothing is left to the pool, or too little for `max_model_len` tokens.
+    """
+    utilization = cache_config.gpu_memory_utilization or memory.DEFAULT_GPU_MEMORY_UTILIZATION
+    in_use = memory.device_memory(devices)
+    S = cache_config.block_size
+    probe = ModelRunner(model, cache_config, -(-scheduler.max_model_len // S), kv_cache_dtype,
+                        max_num_seqs=scheduler.max_num_seqs,
+                        max_model_len=scheduler.max_model_len)
+    batch = probe._padding_batch(probe.step_tokens(scheduler.max_num_batched_tokens))
+    compiled = probe._step.lower(probe.param_leaves, probe.kv_cache.pool, batch,
+                                 False).compile()
+    activation = memory.step_activation_bytes(compiled)
+    del probe, compiled
+    budget = memory.kv_pool_budget(utilization, in_use, activation)
+    num_blocks = budget // (kv_cache_bytes_per_token(model.config, kv_cache_dtype) * S)
+    logger.info("KV pool from %.2f of the devices' %d bytes: %d in use, %d for the largest "
+                "step's activations, %d blocks", utilization, in_use[0], in_use[1], activation,
+                num_blocks)
+    _check_pool_size(num_blocks, cache_config, scheduler.max_model_len)
+    return num_blocks

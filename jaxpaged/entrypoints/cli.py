@@ -313,6 +313,7 @@ def _one_shot_pool(engine_args, num_seqs: int) -> int:
     fill, within the default budget (a smaller pool starts faster: its memory is zeroed)."""
     from jaxpaged.platforms import resolve_dtype
     from jaxpaged.worker.kv_cache import kv_cache_bytes_per_token, resolve_kv_cache_dtype
+    from jaxpaged.worker.memory import DEFAULT_KV_CACHE_MEMORY_BYTES
     from jaxpaged.model_loader.model_store import resolve_model
     from jaxpaged.models import load_config
 
@@ -322,7 +323,8 @@ def _one_shot_pool(engine_args, num_seqs: int) -> int:
     tokens = num_seqs * (-(-max_model_len // S) * S)
     per_token = kv_cache_bytes_per_token(config, resolve_kv_cache_dtype(
         engine_args.kv_cache_dtype, resolve_dtype(engine_args.dtype)))
-    return min(engine_args.kv_cache_memory_bytes, tokens * per_token)
+    return min(engine_args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES,
+               tokens * per_token)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -82,8 +82,9 @@ class LLM:
             init_distributed(engine_args.coordinator_address, engine_args.num_processes,
                              engine_args.process_id)
         if engine_args.num_scheduler_steps is None:  # offline: every request is known
-            engine_args = dataclasses.replace(engine_args,
-                                              num_scheduler_steps=OFFLINE_SCHEDULER_STEPS)
+            engine_args = dataclasses.replace(
+                engine_args, num_scheduler_steps=(1 if engine_args.async_scheduling
+                                                  else OFFLINE_SCHEDULER_STEPS))
         config = engine_args.create_engine_config()
         self.llm_engine = LLMEngine(config)
         self._dense_forward = None  # jitted on first use

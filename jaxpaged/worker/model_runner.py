@@ -402,7 +402,8 @@ class ModelRunner:
         # Plain greedy draws are the step's own (`greedy_draws`).
         plain = self.greedy_draws and self.input_batch.plain_greedy(samples)
         res = (sampler.pick_greedy(jax.device_get(greedy), [s[0] for s in samples])
-               if greedy is not None and plain else self._draw(samples, logits))
+               if greedy is not None and plain
+               else jax.device_get(self.draw_on_device(samples, logits)))
         # Of a row verifying proposals, its draws up to the first that differs from them.
         output = (rejection_sample(res.token_ids[:len(samples)], np.asarray(row_of),
                                    [len(before) for _, _, _, before in samples], spec).tolist()
@@ -418,9 +419,9 @@ class ModelRunner:
             per_row[row].append(SampledToken(token_ids[i], logprobs[i], ranks[i], top))
         return per_row
 
-    def _draw(self, samples: list[tuple[int, Sequence, int, list[int]]], logits: jax.Array
-              ) -> sampler.SamplerOutput:
-        """The jitted `sampler.sample`'s draws for `samples` (`prepare_sampling`), on the host."""
+    def draw_on_device(self, samples: list[tuple[int, Sequence, int, list[int]]],
+                       logits: jax.Array) -> sampler.SamplerOutput:
+        """The jitted `sampler.sample`'s draws for `samples` (`prepare_sampling`), on device."""
         rows, md = self.prepare_sampling(samples)
         num_logprobs = max((s.params.logprobs or 0) for _, s, _, _ in samples)
         num_logprobs = num_logprobs and next_power_of_2(num_logprobs)
@@ -432,8 +433,8 @@ class ModelRunner:
         # Processed logprobs read the truncated distribution, which the greedy path skips.
         all_greedy = all(s.params.is_greedy and s.params.logprobs_mode == "raw"
                          for _, s, _, _ in samples)
-        return jax.device_get(self._executable(sample_jit, (logits, md), all_greedy=all_greedy,
-                                               num_logprobs=num_logprobs)(logits, md))
+        return self._executable(sample_jit, (logits, md), all_greedy=all_greedy,
+                                num_logprobs=num_logprobs)(logits, md)
 
     def apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write block copies, padded to a power of two with repeats of the first."""

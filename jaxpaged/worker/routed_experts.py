@@ -61,7 +61,8 @@ class RoutedExperts:
         """Writes one step's routes.
 
         Args:
-          seqs: the step's sequences (`core.sequence.Sequence`), in row order.
+          seqs: the step's sequences (`core.sequence.Sequence`), in row order; those finished
+            since the step was launched (async scheduling) keep their record as it was.
           starts, counts: i32[S] each row's first position computed and how many.
           slot_mapping: i32[T] each token's pool slot (-1: padding).
           routes: i16[L_moe, T, k] the step's expert ids, the rows' tokens packed in order.
@@ -71,7 +72,7 @@ class RoutedExperts:
         self.slots[slot_mapping[real]] = by_token[real]
         first = np.cumsum(counts) - counts
         for seq, start, n, f in zip(seqs, starts.tolist(), counts.tolist(), first.tolist()):
-            if seq.params.return_routed_experts:
+            if seq.params.return_routed_experts and not seq.is_finished:
                 self._write(seq, start, by_token[f:f + n])
 
     def record_step(self, seqs, num_new_tokens: list[int], batch, routes: jax.Array) -> None:
