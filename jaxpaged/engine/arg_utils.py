@@ -143,7 +143,8 @@ class EngineArgs:
     precompile: bool | list[int] | None = _option(
         None, "execution.precompile", "compile every step shape at startup so serving compiles "
         "nothing new; default on (off on pallas-interpret), but generate and chat compile only "
-        "the shapes they run; in Python also a list of step sizes in tokens (those alone)", check=check_precompile)
+        "the shapes they run; in Python also a list of step sizes in tokens (those alone)",
+        check=check_precompile)
     tensor_parallel_size: int = _option(
         1, "parallel.tensor_parallel_size", "devices to split the model over (tensor "
         "parallelism)", min=1, flags=("-tp",))
