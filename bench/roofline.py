@@ -9,7 +9,7 @@ cached) and prefill steps of one prompt of T tokens (T in --prefill) run through
 serving runs them. Each engine step is split into:
   step     the jitted model step (`ModelRunner._run_step`, waited for),
   sampler  the jitted sampler, its inputs and the copy of its result to the host
-           (`ModelRunner._draw`; none for plain greedy decoding, whose draws the step makes),
+           (`ModelRunner.draw_on_device`; none for plain greedy decoding, whose draws the step makes),
   host     the rest of `LLMEngine.step`: scheduling, building the step's arrays, detokenizing.
 Beside the step time stand its lower bounds on this machine:
   weight-read  bytes the step must read (every weight once, the LM head's included, and the
@@ -62,8 +62,10 @@ class Timers:
 
         self.step_s, self.sampler_s = [], []
         self.last_T = 0  # padded tokens of the last step
-        # `_sample` in trees from before the step made greedy draws (bench/against_commit.py).
-        self.sample_name = "_draw" if hasattr(runner, "_draw") else "_sample"
+        # The sampler's call: `draw_on_device` today, `_draw` or `_sample` in older trees
+        # (bench/against_commit.py).
+        self.sample_name = next(name for name in ("draw_on_device", "_draw", "_sample")
+                                if hasattr(runner, name))
         run_step, sample = runner._run_step, getattr(runner, self.sample_name)
 
         def timed_step(batch, *args, **kwargs):

@@ -25,6 +25,9 @@ Backends:
   jaxpaged-no-prefix-cache  the same with `enable_prefix_caching=False`.
   jaxpaged-w8a8             the same with `quantization="w8a8"` (a Mixture-of-Experts model's
                             experts int8 weight-only, `models.quantization`).
+  jaxpaged-1step            one decode step a call (`num_scheduler_steps=1`), synchronous.
+  jaxpaged-async            the same with `async_scheduling=True`: the next step launched
+                            before the last one's draws are read.
   jaxpaged-json             the structured-output workload: every request under a nested
                             JSON schema (`JSON_SCHEMA`), against the same requests without it
                             (`jaxpaged-json-none`), each of the same output length.
@@ -104,7 +107,9 @@ def build_llm(requests, args, enable_prefix_caching: bool = True):
               precompile=args.warmup == "precompile", batch_invariant=args.batch_invariant,
               attention_backend=args.attention_backend,
               quantization=None if args.quantization == "none" else args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, dtype=getattr(args, "dtype", "auto"),
+              num_scheduler_steps=getattr(args, "num_scheduler_steps", None),
+              async_scheduling=getattr(args, "async_scheduling", False))
     _built_llms.append(llm)
     return llm, time.perf_counter() - start
 
@@ -258,13 +263,18 @@ def run_hf_cb(requests, args, model=None) -> dict:
 
 
 def _hf_model(args):
+    """The transformers model of `args.model` in `args.dtype` ("auto": float32) on
+    `args.device` (default "cpu")."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from jaxpaged.model_loader.model_store import resolve_model
 
-    return AutoModelForCausalLM.from_pretrained(resolve_model(args.model),
-                                                dtype=torch.float32).eval()
+    dtype = getattr(args, "dtype", "auto")
+    return AutoModelForCausalLM.from_pretrained(
+        resolve_model(args.model),
+        dtype=torch.float32 if dtype == "auto" else getattr(torch, dtype),
+    ).to(getattr(args, "device", "cpu")).eval()
 
 
 # The structured-output workload's schema: nested, with an enum, arrays and required fields;
@@ -324,6 +334,10 @@ BACKENDS = {"jaxpaged": run_jaxpaged,
             "jaxpaged-no-prefix-cache": lambda reqs, args: run_jaxpaged(reqs, args, False),
             "jaxpaged-w8a8": lambda reqs, args: run_jaxpaged(reqs, argparse.Namespace(
                 **{**vars(args), "quantization": "w8a8"})),
+            "jaxpaged-1step": lambda reqs, args: run_jaxpaged(reqs, argparse.Namespace(
+                **{**vars(args), "num_scheduler_steps": 1})),
+            "jaxpaged-async": lambda reqs, args: run_jaxpaged(reqs, argparse.Namespace(
+                **{**vars(args), "num_scheduler_steps": 1, "async_scheduling": True})),
             "hf": lambda reqs, args: {"": run_hf(reqs, args)},
             "hf-cb": run_hf_cb_and_greedy}
 

@@ -277,10 +277,14 @@ class PallasBackend(AttentionBackend):
         k_pages, v_pages, scales = layer_pages(kv_cache, layer)
         kw = dict(scale=spec.scale, soft_cap=spec.soft_cap, sliding_window=spec.sliding_window,
                   interpret=self.interpret, **scales)
-        if md.decode_only:  # sequence s's one token is token query_start_loc[s]
-            rows = md.query_start_loc[:-1]
-            out = paged_attention(q[rows], k_pages, v_pages, md.block_tables, md.seq_lens, **kw)
-            return jnp.zeros_like(q).at[rows].set(out, mode="drop"), kv_cache, None
+        if md.decode_only:
+            # Sequence s's one token is token s (`build_from_arrays`), and a padding row's
+            # context is 0 (its output 0): q and the output are the B sequence rows' as they
+            # lie, cut or padded to T, with no gather or scatter.
+            T, B = q.shape[0], md.seq_lens.shape[0]
+            rows = jnp.pad(q, ((0, max(0, B - T)), (0, 0), (0, 0)))[:B]
+            out = paged_attention(rows, k_pages, v_pages, md.block_tables, md.seq_lens, **kw)
+            return jnp.pad(out, ((0, max(0, T - B)), (0, 0), (0, 0)))[:T], kv_cache, None
         num_seqs = jnp.sum(md.query_lens > 0, dtype=jnp.int32)
         out = ragged_paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens,
                                      md.query_start_loc, num_seqs, **kw)

@@ -183,13 +183,15 @@ def merge_splits(acc, m, l):
 # -- public wrapper ---------------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "k_splits",
-                                             "interpret"))
+                                             "interpret", "tokens_per_iter", "num_warps",
+                                             "num_stages"))
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     block_tables: jax.Array, context_lens: jax.Array, *, scale: float,
                     soft_cap: float | None = None, sliding_window: int | None = None,
                     k_splits: int = 1, interpret: bool = False,
                     k_scales: jax.Array | None = None,
-                    v_scales: jax.Array | None = None) -> jax.Array:
+                    v_scales: jax.Array | None = None, tokens_per_iter: int | None = None,
+                    num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """Decode attention over the paged pool (Pallas; Triton on GPU, interpreter on CPU).
 
     Args:
@@ -208,6 +210,11 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       k_splits: program instances sharing one sequence's context (flash-decoding); raise it for
         long contexts and small batches.
       interpret: run the Pallas interpreter (CPU tests).
+      tokens_per_iter: keys each loop iteration reads (whole blocks: rounded down to a
+        multiple of block_size, at least one block); None: `pages_per_block`'s 16.
+      num_warps, num_stages: the Triton launch's warps per program and pipeline stages.
+      (k_splits, tokens_per_iter, num_warps and num_stages change speed, not results beyond
+      float rounding: `bench/gpu_e2e.py` sweeps them on a GPU.)
 
     Returns:
       f[num_seqs, num_q_heads, head_dim] in q's dtype.
@@ -223,7 +230,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     K, P, S, _ = k_pages.shape
     G = N // K
     R = heads_per_program(G)
-    per_iter = pages_per_block(S)
+    per_iter = pages_per_block(S) if tokens_per_iter is None else max(1, tokens_per_iter // S)
     M = block_tables.shape[1]
     pages_per_split = pl.cdiv(pl.cdiv(M, k_splits), per_iter) * per_iter
     block_tables = jnp.pad(block_tables, ((0, 0), (0, k_splits * pages_per_split - M)))
@@ -254,7 +261,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    jax.ShapeDtypeStruct((B, K, k_splits, R), jnp.float32)],
         interpret=interpret,
         # Written for the Triton backend (pallas.triton ops), never Mosaic GPU.
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="jaxpaged_paged_decode_attention",
     )(context_lens, block_tables, qg, k_pages, v_pages,
       *((k_scales, v_scales) if quantized else ()))

@@ -98,7 +98,7 @@ def int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *,
     """`int8_matmul_reference(x, w, scale)`, by the C++ kernel where `use_kernel`.
 
     Args:
-      x: f[..., K] activations (any float dtype; computed in float32).
+      x: f[..., K] activations (any float dtype; products summed in float32).
       w: i8[N, K] weights; scale: f32[N] per-output scales.
       use_kernel: the C++ kernel (True: CPU only, where `cpu_attention.available()`; the
         engine asks its platform, `jaxpaged.platforms`) or the jnp reference (False).
@@ -111,7 +111,12 @@ def int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *,
     """
     _check_operands("int8_matmul", x, w, scale)
     if not use_kernel:
-        return int8_matmul_reference(x, w, scale)
+        # bfloat16 / float16 activations meet the weights in their own dtype (every int8 is
+        # exact there, each product exact in the float32 sum): the same sums as the reference's,
+        # on a GPU's 16-bit matmul units (XLA fuses the weights' widening into the matmul).
+        dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+        return jnp.einsum("...k,nk->...n", x.astype(dtype), w.astype(dtype),
+                          preferred_element_type=jnp.float32) * scale
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     call = jax.ffi.ffi_call(cpu_attention.INT8_MATMUL_TARGET,
@@ -319,7 +324,7 @@ def q8_0_matmul(x: jax.Array, w: jax.Array, dw: jax.Array, *, use_kernel: bool =
     is faster for many rows (`bench/results/quantized-matmul.json`) and off the CPU kernels.
 
     Args:
-      x: f[..., K] activations (any float dtype; computed in float32).
+      x: f[..., K] activations (any float dtype; products summed in float32).
       w: i8[N, K] weights; dw: f32[N, K // 32] their block scales.
       use_kernel: the C++ kernel may run (CPU only, where `cpu_attention.available()`).
       activations: "auto" or "q8_0", as above.

@@ -123,6 +123,20 @@ def make_llm():
     _built.clear()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only where jax's default backend is a GPU (set JAX_PLATFORMS=cuda:
+    this file defaults it to cpu)."""
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    import jax
+
+    if jax.default_backend() != "gpu":
+        skip = pytest.mark.skip(reason="needs a GPU: JAX_PLATFORMS=cuda pytest -m gpu")
+        for item in gpu:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model_dir):
     """One engine on the tiny model shared by a module's tests (leak-checked by `no_leaks`)."""

@@ -206,3 +206,35 @@ def test_multi_step_calls_beside_async_steps(make_llm, tiny_model_dir):
     runner = llm.llm_engine.runner
     assert any(key[0] is runner._multi_step for key in runner._compiled)
     assert llm.llm_engine.async_scheduling.num_overlapped_steps > 0
+
+
+def test_a_fault_reading_a_step_fails_its_requests(make_llm, tiny_model_dir, monkeypatch):
+    """A step whose draws cannot be read (a fault on the device) fails the requests in it; the
+    step launched after it is dropped and scheduled again, so a request that joined there
+    finishes with the synchronous loop's outputs, and every block is free after."""
+    from jaxpaged.engine import async_scheduling
+
+    ref, _ = _generate(make_llm, tiny_model_dir, GREEDY[:3], False, max_num_seqs=8)
+    llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=1, max_num_seqs=8)
+    engine = llm.llm_engine
+    first = [engine.add_request(p, params) for p, params in zip(PROMPTS[:2], GREEDY[:2])]
+    real, calls = async_scheduling.collect, []
+
+    def collect(runner, launched):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected device fault")
+        return real(runner, launched)
+
+    monkeypatch.setattr(async_scheduling, "collect", collect)
+    finished = {}
+    late = None
+    while engine.has_unfinished_requests():
+        if len(calls) == 2 and late is None:  # joins the step launched beside the faulty one
+            late = engine.add_request(PROMPTS[2], GREEDY[2])
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert all(finished[r].error and "injected" in finished[r].error for r in first)
+    assert finished[late].error is None
+    assert finished[late].outputs[0].token_ids == ref[2].outputs[0].token_ids

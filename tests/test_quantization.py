@@ -51,6 +51,20 @@ def test_int8_matmul_kernel_equals_dequantized_reference(M, N, K):
                                atol=1e-5 * np.sqrt(K))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_int8_matmul_in_the_activation_dtype_sums_what_the_reference_sums(dtype):
+    """The jnp path (GPU, TP) multiplies 16-bit activations by the int8 weights in their own
+    dtype: every product is exact, so only the float32 summation order differs from the
+    float32 reference's."""
+    kx, kw = jax.random.split(jax.random.key(5))
+    x = jax.random.normal(kx, (6, 384)).astype(dtype)
+    q, scale = quantize_int8(jax.random.normal(kw, (96, 384)))
+    got = int8_matmul(x, q, scale)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, int8_matmul_reference(x, q, scale), rtol=1e-5,
+                               atol=1e-5 * np.sqrt(384) * float(jnp.abs(scale).max()))
+
+
 def test_int8_matmul_names_bad_shapes():
     with pytest.raises(ValueError, match=r"w int8\[4, 3\]"):
         int8_matmul(jnp.ones((2, 5)), jnp.ones((4, 3), jnp.int8), jnp.ones((4,)))

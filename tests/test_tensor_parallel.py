@@ -92,7 +92,8 @@ def tp_results(tp_models, orbax_model, tmp_path_factory) -> dict:
     return run_worker({"runs": runs + [[str(orbax_model), 4]],
                        "hlo": str(tp_models["llama-kv2"]), "shards": str(orbax_model),
                        "updates": updates, "multi_step": multi_step,
-                       "expert_parallel": expert_parallel},
+                       "expert_parallel": expert_parallel,
+                       "async": [[str(tp_models["llama-kv2"]), 4]]},
                       cache_dir=tmp_path_factory.mktemp("tp-compile-cache"))
 
 
@@ -119,6 +120,13 @@ def test_multi_step_decoding_equals_one_device(tp_results, model, tp):
     sharded devices: the ids of single steps on one device."""
     assert tp_results["multi_step_ran"][f"{model}/{tp}"]
     assert tp_results["ids"][f"{model}/{tp}/steps4"] == tp_results["ids"][f"{model}/1"]
+
+
+def test_async_scheduling_equals_one_device(tp_results):
+    """Async scheduling on 4 devices (a step's inputs read from the last step's replicated
+    draws): the ids of synchronous steps on one device."""
+    assert tp_results["overlapped"]["llama-kv2/4"] > 0
+    assert tp_results["ids"]["llama-kv2/4/async"] == tp_results["ids"]["llama-kv2/1"]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])

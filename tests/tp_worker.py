@@ -4,14 +4,16 @@ start): `python tp_worker.py JSON_ARGS`; prints one JSON line of results.
 JSON_ARGS: {"runs": [[model dir, tp(, kv_cache_dtype)], ...], "backend": name,
 "hlo": dir or null, "shards": dir or null,
 "distributed": [coordinator, num_processes, process_id] or null, "updates": [[model dir, tp], ...],
-"multi_step": [[model dir, tp], ...], "expert_parallel": [[model dir, tp], ...]}.
+"multi_step": [[model dir, tp], ...], "expert_parallel": [[model dir, tp], ...],
+"async": [[model dir, tp], ...]}.
 Results: greedy ids and the pool arrays' shardings ("pools") by "<dir name>/<tp>" (with
 "/<kv_cache_dtype>" when the run names one); for "hlo", the compiled step's collectives; for
 "shards", where each parameter's shards lie; for "updates", the ids after new weights went into
 a TP engine and a one-device engine (`updates`); for "multi_step", the ids with
 `num_scheduler_steps=4` ("<dir name>/<tp>/steps4") and whether a multi-step call ran; for
 "expert_parallel", the ids with `enable_expert_parallel` ("<dir name>/<tp>/ep") and the shapes
-of layer 0's expert shards.
+of layer 0's expert shards; for "async", the ids with `async_scheduling`
+("<dir name>/<tp>/async") and the steps it overlapped.
 """
 
 import json
@@ -141,6 +143,12 @@ for model, tp in args.get("multi_step", []):  # 4 decode steps a call (`num_sche
     out["ids"][f"{os.path.basename(model)}/{tp}/steps4"] = ids
     out.setdefault("multi_step_ran", {})[f"{os.path.basename(model)}/{tp}"] = any(
         key[0] is runner._multi_step for key in runner._compiled)
+for model, tp in args.get("async", []):  # `async_scheduling`, one step a call
+    engine_llm = llm(model, tp, async_scheduling=True, num_scheduler_steps=1)
+    ids = [o.outputs[0].token_ids for o in engine_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    out["ids"][f"{os.path.basename(model)}/{tp}/async"] = ids
+    out.setdefault("overlapped", {})[f"{os.path.basename(model)}/{tp}"] = \
+        engine_llm.llm_engine.async_scheduling.num_overlapped_steps
 for model, tp in args.get("updates", []):
     out.setdefault("updates", {})[f"{os.path.basename(model)}/{tp}"] = updates(model, tp)
 print("RESULT " + json.dumps(out), flush=True)

@@ -22,7 +22,9 @@ a call where any running or waiting sequence has penalties, a grammar, prompt lo
 scoring sequence (`can_overlap`), the step in flight is read first and the next one runs as
 `LLMEngine.run_step` runs it; the step after a prompt forks into its n completions waits for
 that step too, and so does a multi-step call (`num_scheduler_steps`). An engine with a
-speculative proposer never runs this way.
+speculative proposer, or over several processes, never runs this way (`LLMEngine`). Weights
+changed between two calls (`update_params`) reach the steps launched after the change; the
+step in flight finishes with the old ones.
 
 Faults: a fault raised while launching (before anything runs on the device) reads the step in
 flight first, then runs the step through the fault-isolating executor, as the synchronous loop
@@ -36,8 +38,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-
-import jax
 
 from jaxpaged.core.async_booking import LaunchedBooking, book_draws, book_launched
 from jaxpaged.core.scheduler import StepUpdate
@@ -139,10 +139,6 @@ class AsyncScheduling:
         """A step whose draws could not be read: fatal if the pool went with it, else its
         requests fail (their K/V and draws cannot be trusted; none of its blocks is cached)."""
         engine = self.engine
-        if jax.process_count() > 1:
-            engine.dead = EngineDeadError(f"a step across {jax.process_count()} processes "
-                                          f"failed: {describe(fault)}")
-            raise engine.dead from fault
         try:
             engine.executor._check_pool(fault)
         except EngineDeadError as e:

@@ -8,6 +8,7 @@ import logging
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -120,9 +121,15 @@ class LLMEngine:
                                                if self.runner.num_scheduler_steps > 1
                                                else None))
         self.executor = FaultIsolatingExecutor(self.runner)
-        # Step i + 1 launched before step i's draws are read (`engine.async_scheduling`).
-        self.async_scheduling = (AsyncScheduling(self) if self.scheduler_config.async_scheduling
-                                 and self.speculative_config is None else None)
+        # Step i + 1 launched before step i's draws are read (`engine.async_scheduling`); one
+        # process only, without a proposer.
+        self.async_scheduling = None
+        if self.scheduler_config.async_scheduling:
+            if self.speculative_config is not None or jax.process_count() > 1:
+                logger.warning("async_scheduling is off: it runs in one process without "
+                               "speculative decoding")
+            else:
+                self.async_scheduling = AsyncScheduling(self)
         self.proposer = (None if self.speculative_config is None else make_proposer(
             self.speculative_config, ProposerContext(
                 self.model_config, self.dtype, backend, self.cache_config, num_blocks,
