@@ -5,7 +5,8 @@
 The Pallas kernels compiled for the GPU (not interpreted) against the pure-jnp reference, over
 float32, bfloat16 and 8-bit pools; the engine on the Pallas backend against the xla backend
 (greedy ids of a float32 tiny Llama) and against transformers on the GPU (bfloat16 greedy ids
-where float32's margins are large)."""
+where float32's margins are large); async scheduling against synchronous steps; the KV pool
+sized from the GPU's memory."""
 
 from __future__ import annotations
 
@@ -100,3 +101,33 @@ def test_bfloat16_greedy_ids_follow_transformers_on_the_gpu(make_llm, tiny_model
     n = next((i for i, m in enumerate(margins) if m < 0.1), len(margins))
     assert n >= 8, margins
     assert got[:n] == want[:n]
+
+
+def test_async_scheduling_gives_the_synchronous_ids_on_the_gpu(make_llm, tiny_model_dir):
+    """Greedy and seeded: the next step launched before the last one's draws are read gives
+    the synchronous loop's tokens on the GPU too."""
+    prompts = ["Hello, my name is", "The capital of France is", "1 2 3 4 5 6 7"]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]
+    ids = {}
+    for on in (False, True):
+        llm = make_llm(tiny_model_dir, async_scheduling=on, num_scheduler_steps=1)
+        ids[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                use_tqdm=False)]
+    assert llm.llm_engine.async_scheduling.num_overlapped_steps > 0
+    assert ids[True] == ids[False]
+
+
+def test_the_pool_is_sized_from_the_gpu_memory(make_llm, tiny_model_dir):
+    """No budget given: `gpu_memory_utilization` (0.5 here) of the GPU's memory, less the
+    weights and the largest step's activations, goes to the pool."""
+    from jaxpaged.worker import memory
+
+    limit, _ = memory.device_memory()
+    llm = make_llm(tiny_model_dir, num_kv_blocks=None, gpu_memory_utilization=0.5)
+    engine = llm.llm_engine
+    per_block = engine.runner.kv_cache.spec.bytes_per_token * engine.cache_config.block_size
+    pool = engine.block_manager.num_blocks * per_block
+    assert 0.3 * limit < pool <= 0.5 * limit
+    assert len(llm.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids) > 0

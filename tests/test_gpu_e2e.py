@@ -1,7 +1,7 @@
 """`bench/gpu_e2e.py --smoke` end to end on CPU: a tiny random Llama through jaxpaged (with and
 without async scheduling) and transformers' continuous batching, the decode step's split, the
-decode kernel (interpreted) against a device copy, and cold and warm engine builds, written as the JSON the GPU run
-writes (the GPU figures themselves come from a lent machine)."""
+decode kernel (interpreted) against a device copy, and cold and warm engine builds, written as
+the JSON the GPU run writes (the GPU figures themselves come from a lent machine)."""
 
 from __future__ import annotations
 
