@@ -210,8 +210,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       k_splits: program instances sharing one sequence's context (flash-decoding); raise it for
         long contexts and small batches.
       interpret: run the Pallas interpreter (CPU tests).
-      tokens_per_iter: keys each loop iteration reads (whole blocks: rounded down to a
-        multiple of block_size, at least one block); None: `pages_per_block`'s 16.
+      tokens_per_iter: keys each loop iteration reads, rounded down to a power of two of
+        whole blocks (at least one); None: `pages_per_block`'s 16.
       num_warps, num_stages: the Triton launch's warps per program and pipeline stages.
       (k_splits, tokens_per_iter, num_warps and num_stages change speed, not results beyond
       float rounding: `bench/gpu_e2e.py` sweeps them on a GPU.)
@@ -230,7 +230,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     K, P, S, _ = k_pages.shape
     G = N // K
     R = heads_per_program(G)
-    per_iter = pages_per_block(S) if tokens_per_iter is None else max(1, tokens_per_iter // S)
+    per_iter = pages_per_block(S)
+    if tokens_per_iter is not None:  # whole blocks, a power of two of them (Triton's tiles)
+        per_iter = 1 << (max(1, tokens_per_iter // S).bit_length() - 1)
     M = block_tables.shape[1]
     pages_per_split = pl.cdiv(pl.cdiv(M, k_splits), per_iter) * per_iter
     block_tables = jnp.pad(block_tables, ((0, 0), (0, k_splits * pages_per_split - M)))

@@ -124,15 +124,22 @@ def test_async_stops_where_the_synchronous_loop_stops(make_llm, tiny_model_dir):
     assert any(len(o.outputs) == 3 for o in outs)
 
 
-def test_requests_it_cannot_overlap_run_synchronously(make_llm, tiny_model_dir):
+def test_requests_it_cannot_overlap_run_synchronously(make_llm, tiny_model_dir, monkeypatch):
     """Penalties (they count output tokens) and prompt logprobs beside plain requests: the
-    outputs are the synchronous loop's; steps overlap once those requests are done."""
+    outputs are the synchronous loop's; steps overlap once those requests are done, and no
+    launched step ever holds one of them."""
+    from jaxpaged.engine import async_scheduling
+
+    launched_params, real = [], async_scheduling.launch
+    monkeypatch.setattr(async_scheduling, "launch", lambda runner, out, prev: (
+        launched_params.extend(s.params for s in out.seqs), real(runner, out, prev))[1])
     params = list(GREEDY)
     params[1] = SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.3,
                                ignore_eos=True)
     params[3] = SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=1, ignore_eos=True)
     _, overlapped = _compare(make_llm, tiny_model_dir, params, max_num_seqs=8)
-    assert overlapped > 0
+    assert overlapped > 0 and launched_params
+    assert not any(p is params[1] or p is params[3] for p in launched_params)
 
 
 def test_a_speculative_proposer_runs_synchronously(make_llm, tiny_model_dir):
@@ -238,3 +245,45 @@ def test_a_fault_reading_a_step_fails_its_requests(make_llm, tiny_model_dir, mon
     assert all(finished[r].error and "injected" in finished[r].error for r in first)
     assert finished[late].error is None
     assert finished[late].outputs[0].token_ids == ref[2].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("ending", ["abort", "fault"])
+def test_forked_completions_end_with_their_request(make_llm, tiny_model_dir, monkeypatch,
+                                                  ending):
+    """n = 3 forks when its prompt's step is launched, a step before any output lists the
+    completions: an abort then, or a fault reading that step, ends all three (no sequence is
+    left running, every block free after), and the engine goes on."""
+    from jaxpaged.engine import async_scheduling
+
+    llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=1, max_num_seqs=8)
+    engine = llm.llm_engine
+    other = engine.add_request(PROMPTS[0], GREEDY[0])
+    for _ in range(3):  # `other` decodes, its steps overlapping
+        engine.step()
+    forked = engine.add_request(PROMPTS[2], SamplingParams(temperature=0.8, seed=1, n=3,
+                                                           max_tokens=6))
+    real = async_scheduling.collect
+    if ending == "fault":
+        def collect(runner, launched):
+            if any(s.request_id == forked for s in launched.out.seqs):
+                raise RuntimeError("injected device fault")
+            return real(runner, launched)
+        monkeypatch.setattr(async_scheduling, "collect", collect)
+    engine.step()  # launches the prompt's step: three completions in the scheduler
+    assert sum(s.request_id == forked for s in engine.scheduler.running) == 3
+    if ending == "abort":
+        engine.abort_request(forked)
+    finished = {}
+    for _ in range(100):  # a left-over completion would keep the engine busy forever
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    if ending == "abort":
+        assert finished[other].error is None
+    else:  # the fault fails the step's requests (`other` shared it); the engine goes on
+        assert "injected" in finished[forked].error
+        out = llm.generate([PROMPTS[1]], GREEDY[1], use_tqdm=False)[0]
+        assert out.error is None and len(out.outputs[0].token_ids) == GREEDY[1].max_tokens

@@ -57,7 +57,7 @@ def test_decode_kernel_matches_reference(group, head_dim, block_size, dtype):
     kw = dict(scale=head_dim ** -0.5)
     ref = paged_attention_reference(q, k_pages, v_pages, bt, cl, **kw)
     # The launch's tunables (`bench/gpu_e2e.py` sweeps them): splits, and keys per iteration
-    # from one block to several (64 keys: 4 blocks of 16, 8 of 8; rounded down to blocks).
+    # from one block to several (64 keys: 4 blocks of 16, 8 of 8; 3 blocks round down to 2).
     for k_splits, tokens_per_iter in ((1, None), (3, None), (1, 64), (2, 3 * S)):
         out = paged_attention(q, k_pages, v_pages, bt, cl, k_splits=k_splits, interpret=True,
                               tokens_per_iter=tokens_per_iter, **kw)

@@ -77,9 +77,13 @@ class LLMEngine:
         check_lora_config(config)
         backend, precompile = make_backend(config.execution, self.kv_cache_dtype, self.mesh)
         self.attention_backend = backend.name
-        devices = None if self.mesh is None else list(self.mesh.devices.flat)
-        cache_config, num_blocks = size_pool(config.cache, self.model_config, self.kv_cache_dtype,
-                                             self.scheduler_config.max_model_len, devices)
+        # The devices the model and the pool go on: the mesh's, or the default one.
+        devices = (list(self.mesh.devices.flat) if self.mesh is not None
+                   else jax.local_devices()[:1])
+        cache_config, num_blocks = size_pool(
+            config.cache, self.model_config, self.kv_cache_dtype,
+            self.scheduler_config.max_model_len, devices,
+            sized_by_memory=getattr(self.speculative_config, "model", None) is None)
         if cache_config is not config.cache:
             self.config = dataclasses.replace(config, cache=cache_config)
         self.cache_config = cache_config
@@ -211,9 +215,19 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Drops a request and frees its blocks; unknown ids are ignored."""
         request = self.requests.pop(request_id, None)
-        for seq in request.seqs if request else []:
+        for seq in self._all_seqs(request) if request else []:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+
+    def _all_seqs(self, request: Request) -> list[Sequence]:
+        """`request.seqs`, and under async scheduling the completions a launched step forked
+        from its prompt that no output has listed yet (`core.async_booking`)."""
+        if self.async_scheduling is None:
+            return request.seqs
+        listed = {seq.seq_id for seq in request.seqs}
+        return request.seqs + [
+            seq for seq in (*self.scheduler.running, *self.scheduler.waiting)
+            if seq.request_id == request.request_id and seq.seq_id not in listed]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -323,7 +337,7 @@ class LLMEngine:
     def _fail(self, request: Request, reason: str) -> Request:
         """Ends every sequence of `request` with finish reason "error" and frees its blocks."""
         request.error = reason
-        for seq in request.seqs:
+        for seq in self._all_seqs(request):
             seq.num_forks = 0
             if not seq.is_finished:
                 self.scheduler.finish(seq, "error")

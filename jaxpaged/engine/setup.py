@@ -8,6 +8,8 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import jax
+import numpy as np
 from flax import nnx
 
 from jaxpaged.config import CacheConfig, ExecutionConfig, LoRAConfig, SchedulerConfig
@@ -135,17 +137,19 @@ def make_backend(execution: ExecutionConfig, kv_cache_dtype: str, mesh):
 
 
 def size_pool(cache_config: CacheConfig, model_config: ModelConfig, kv_cache_dtype: str,
-              max_model_len: int, devices=None) -> tuple[CacheConfig, int | None]:
+              max_model_len: int, devices: list, sized_by_memory: bool = True
+              ) -> tuple[CacheConfig, int | None]:
     """The cache config in force (prefix caching off for a RoPE that switches with the
     length) and the pool's number of blocks (`kv_cache.num_kv_blocks`), or None where it is
-    sized from the memory of `devices` (default: the local ones) once the weights are loaded
-    (`size_pool_from_memory`): neither `num_kv_blocks` nor `kv_cache_memory_bytes` given, and
-    the devices report their memory (`worker.memory`). Elsewhere (CPU) the budget is
-    `kv_cache_memory_bytes`, `memory.DEFAULT_KV_CACHE_MEMORY_BYTES` unless given.
+    sized from the memory of `devices` (those the model and the pool are placed on) once the
+    weights are loaded (`size_pool_from_memory`): neither `num_kv_blocks` nor
+    `kv_cache_memory_bytes` given, the devices report their memory (`worker.memory`) and
+    `sized_by_memory` (False with a draft model, whose weights and pool the sizing does not
+    count). Elsewhere the budget is `kv_cache_memory_bytes`,
+    `memory.DEFAULT_KV_CACHE_MEMORY_BYTES` unless given.
 
     Raises:
-      ValueError: the pool cannot hold one sequence of `max_model_len` tokens, or
-        `gpu_memory_utilization` was given for devices that report no memory.
+      ValueError: the pool cannot hold one sequence of `max_model_len` tokens.
     """
     if cache_config.enable_prefix_caching and model_config.rope_switch_length:
         # A block's K/V then depends on its sequence's length (longrope rotates with the
@@ -154,12 +158,14 @@ def size_pool(cache_config: CacheConfig, model_config: ModelConfig, kv_cache_dty
                        "blocks depend on the length of the sequence that computed them")
         cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
     if cache_config.num_kv_blocks is None and cache_config.kv_cache_memory_bytes is None:
-        if memory.device_memory(devices) is not None:
+        if sized_by_memory and memory.device_memory(devices) is not None:
             return cache_config, None
         if cache_config.gpu_memory_utilization is not None:
-            raise ValueError(f"gpu_memory_utilization={cache_config.gpu_memory_utilization}: "
-                             "these devices report no memory (Device.memory_stats); size the "
-                             "pool with kv_cache_memory_bytes or num_kv_blocks")
+            logger.warning("gpu_memory_utilization=%s is not used: %s; the KV pool takes "
+                           "kv_cache_memory_bytes=%d", cache_config.gpu_memory_utilization,
+                           "the devices report no memory" if sized_by_memory else
+                           "a draft model's pool is sized with the target's",
+                           memory.DEFAULT_KV_CACHE_MEMORY_BYTES)
         cache_config = dataclasses.replace(
             cache_config, kv_cache_memory_bytes=memory.DEFAULT_KV_CACHE_MEMORY_BYTES)
     num_blocks = num_kv_blocks(model_config, cache_config, kv_cache_dtype)
@@ -176,17 +182,18 @@ def _check_pool_size(num_blocks: int, cache_config: CacheConfig, max_model_len: 
 
 
 def size_pool_from_memory(model: nnx.Module, cache_config: CacheConfig, kv_cache_dtype: str,
-                          scheduler: SchedulerConfig, devices=None) -> int:
-    """The pool's blocks from the devices' memory with the weights loaded (`worker.memory`):
-    `gpu_memory_utilization` (default `memory.DEFAULT_GPU_MEMORY_UTILIZATION`) of it, less
-    what is in use and the activations of the largest step, profiled by compiling that step
-    over a pool of one sequence.
+                          scheduler: SchedulerConfig, devices: list) -> int:
+    """The pool's blocks from the memory of `devices` with the weights loaded
+    (`worker.memory`): `gpu_memory_utilization` (default
+    `memory.DEFAULT_GPU_MEMORY_UTILIZATION`) of each, less what is in use and the activations
+    of the largest step, profiled by compiling that step over a pool of one sequence. Over
+    several processes, the fewest blocks any process finds.
 
     Raises:
       ValueError: nothing is left to the pool, or too little for `max_model_len` tokens.
     """
     utilization = cache_config.gpu_memory_utilization or memory.DEFAULT_GPU_MEMORY_UTILIZATION
-    in_use = memory.device_memory(devices)
+    in_use = memory.device_memory(devices)  # this process's devices
     S = cache_config.block_size
     probe = ModelRunner(model, cache_config, -(-scheduler.max_model_len // S), kv_cache_dtype,
                         max_num_seqs=scheduler.max_num_seqs,
@@ -195,11 +202,16 @@ def size_pool_from_memory(model: nnx.Module, cache_config: CacheConfig, kv_cache
     compiled = probe._step.lower(probe.param_leaves, probe.kv_cache.pool, batch,
                                  False).compile()
     activation = memory.step_activation_bytes(compiled)
+    probe.release()
     del probe, compiled
-    budget = memory.kv_pool_budget(utilization, in_use, activation)
+    budget = memory.kv_pool_budget(utilization, in_use, activation) // len(in_use) * len(devices)
     num_blocks = budget // (kv_cache_bytes_per_token(model.config, kv_cache_dtype) * S)
-    logger.info("KV pool from %.2f of the devices' %d bytes: %d in use, %d for the largest "
-                "step's activations, %d blocks", utilization, in_use[0], in_use[1], activation,
+    if jax.process_count() > 1:  # each process's pool is its part of one array: the same size
+        from jax.experimental import multihost_utils
+
+        num_blocks = int(np.min(multihost_utils.process_allgather(np.int64(num_blocks))))
+    logger.info("KV pool from %.2f of each device's memory (limit, in use: %s), %d bytes for "
+                "the largest step's activations: %d blocks", utilization, in_use, activation,
                 num_blocks)
     _check_pool_size(num_blocks, cache_config, scheduler.max_model_len)
     return num_blocks

@@ -208,7 +208,8 @@ def _engine_args(args: argparse.Namespace, one_shot: int = 0, serving: bool = Fa
         engine_args.num_scheduler_steps = 1
     if one_shot and "precompile" not in args:
         engine_args.precompile = [one_shot] if args.max_tokens != 1 else False
-    if one_shot and "num_kv_blocks" not in args and "kv_cache_memory_bytes" not in args:
+    if one_shot and not {"num_kv_blocks", "kv_cache_memory_bytes",
+                         "gpu_memory_utilization"} & vars(args).keys():
         engine_args.kv_cache_memory_bytes = _one_shot_pool(engine_args, one_shot)
     return engine_args
 
