@@ -7,9 +7,10 @@
 For each model, decode steps of B running sequences (B in --batches, each with --context tokens
 cached) and prefill steps of one prompt of T tokens (T in --prefill) run through the engine as
 serving runs them. Each engine step is split into:
-  step     the jitted model step (`ModelRunner._run_step`, waited for),
+  step     the jitted model step (`StepPrograms.run_step`, waited for),
   sampler  the jitted sampler, its inputs and the copy of its result to the host
-           (`ModelRunner.draw_on_device`; none for plain greedy decoding, whose draws the step makes),
+           (`StepSampler.draw_on_device`; none for plain greedy decoding, whose draws the step
+           makes),
   host     the rest of `LLMEngine.step`: scheduling, building the step's arrays, detokenizing.
 Beside the step time stand its lower bounds on this machine:
   weight-read  bytes the step must read (every weight once, the LM head's included, and the
@@ -62,16 +63,13 @@ class Timers:
 
         self.step_s, self.sampler_s = [], []
         self.last_T = 0  # padded tokens of the last step
-        # The sampler's call: `draw_on_device` today, `_draw` or `_sample` in older trees
-        # (bench/against_commit.py).
-        self.sample_name = next(name for name in ("draw_on_device", "_draw", "_sample")
-                                if hasattr(runner, name))
-        run_step, sample = runner._run_step, getattr(runner, self.sample_name)
+        programs, draws = runner.programs, runner.sampler
+        run_step, sample = programs.run_step, draws.draw_on_device
 
-        def timed_step(batch, *args, **kwargs):
+        def timed_step(leaves, batch, *args, **kwargs):
             self.last_T = len(batch.input_ids)
             start = time.perf_counter()
-            out = jax.block_until_ready(run_step(batch, *args, **kwargs))
+            out = jax.block_until_ready(run_step(leaves, batch, *args, **kwargs))
             self.step_s.append(time.perf_counter() - start)
             return out
 
@@ -81,8 +79,8 @@ class Timers:
             self.sampler_s.append(time.perf_counter() - start)
             return out
 
-        runner._run_step = timed_step
-        setattr(runner, self.sample_name, timed_sample)
+        programs.run_step = timed_step
+        draws.draw_on_device = timed_sample
 
     def reset(self):
         self.step_s.clear()

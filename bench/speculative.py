@@ -139,12 +139,12 @@ def verification_cost(llm, k: int, batches=(1, 2, 4, 8, 16, 32), repeats: int = 
     for B in batches:
         times = []
         for T in (B, B * (k + 1)):
-            batch = runner._padding_batch(runner.step_tokens(T))
-            jax.block_until_ready(runner._run_step(batch))  # compiles
+            batch = runner.inputs.padding(runner.step_tokens(T))
+            jax.block_until_ready(runner.run_model(batch))  # compiles
             best = float("inf")
             for _ in range(repeats):
                 start = time.perf_counter()
-                jax.block_until_ready(runner._run_step(batch))
+                jax.block_until_ready(runner.run_model(batch))
                 best = min(best, time.perf_counter() - start)
             times.append(best)
         out[B] = {"plain_s": times[0], "verify_s": times[1], "ratio": times[1] / times[0]}

@@ -130,9 +130,9 @@ def test_requests_it_cannot_overlap_run_synchronously(make_llm, tiny_model_dir, 
     launched step ever holds one of them."""
     from jaxpaged.engine import async_scheduling
 
-    launched_params, real = [], async_scheduling.launch
-    monkeypatch.setattr(async_scheduling, "launch", lambda runner, out, prev: (
-        launched_params.extend(s.params for s in out.seqs), real(runner, out, prev))[1])
+    launched_params, real = [], async_scheduling.book_launched
+    monkeypatch.setattr(async_scheduling, "book_launched", lambda scheduler, out: (
+        launched_params.extend(s.params for s in out.seqs), real(scheduler, out))[1])
     params = list(GREEDY)
     params[1] = SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.3,
                                ignore_eos=True)
@@ -211,7 +211,7 @@ def test_multi_step_calls_beside_async_steps(make_llm, tiny_model_dir):
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     _assert_same(outs, ref)
     runner = llm.llm_engine.runner
-    assert any(key[0] is runner._multi_step for key in runner._compiled)
+    assert runner.num_multi_step_executables > 0
     assert llm.llm_engine.async_scheduling.num_overlapped_steps > 0
 
 
@@ -219,21 +219,19 @@ def test_a_fault_reading_a_step_fails_its_requests(make_llm, tiny_model_dir, mon
     """A step whose draws cannot be read (a fault on the device) fails the requests in it; the
     step launched after it is dropped and scheduled again, so a request that joined there
     finishes with the synchronous loop's outputs, and every block is free after."""
-    from jaxpaged.engine import async_scheduling
-
     ref, _ = _generate(make_llm, tiny_model_dir, GREEDY[:3], False, max_num_seqs=8)
     llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=1, max_num_seqs=8)
     engine = llm.llm_engine
     first = [engine.add_request(p, params) for p, params in zip(PROMPTS[:2], GREEDY[:2])]
-    real, calls = async_scheduling.collect, []
+    real, calls = engine.runner.collect, []
 
-    def collect(runner, launched):
+    def collect(launched):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected device fault")
-        return real(runner, launched)
+        return real(launched)
 
-    monkeypatch.setattr(async_scheduling, "collect", collect)
+    monkeypatch.setattr(engine.runner, "collect", collect)
     finished = {}
     late = None
     while engine.has_unfinished_requests():
@@ -253,8 +251,6 @@ def test_forked_completions_end_with_their_request(make_llm, tiny_model_dir, mon
     """n = 3 forks when its prompt's step is launched, a step before any output lists the
     completions: an abort then, or a fault reading that step, ends all three (no sequence is
     left running, every block free after), and the engine goes on."""
-    from jaxpaged.engine import async_scheduling
-
     llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=1, max_num_seqs=8)
     engine = llm.llm_engine
     other = engine.add_request(PROMPTS[0], GREEDY[0])
@@ -262,13 +258,13 @@ def test_forked_completions_end_with_their_request(make_llm, tiny_model_dir, mon
         engine.step()
     forked = engine.add_request(PROMPTS[2], SamplingParams(temperature=0.8, seed=1, n=3,
                                                            max_tokens=6))
-    real = async_scheduling.collect
+    real = engine.runner.collect
     if ending == "fault":
-        def collect(runner, launched):
+        def collect(launched):
             if any(s.request_id == forked for s in launched.out.seqs):
                 raise RuntimeError("injected device fault")
-            return real(runner, launched)
-        monkeypatch.setattr(async_scheduling, "collect", collect)
+            return real(launched)
+        monkeypatch.setattr(engine.runner, "collect", collect)
     engine.step()  # launches the prompt's step: three completions in the scheduler
     assert sum(s.request_id == forked for s in engine.scheduler.running) == 3
     if ending == "abort":

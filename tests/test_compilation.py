@@ -69,8 +69,8 @@ def test_shared_blocks_outnumbering_the_pool_take_a_longer_context_list(make_llm
     if runner.backend.name != "cpu":
         pytest.skip("no C++ compiler: no flat block list")
     lengths = []
-    prepare = runner.prepare
-    runner.prepare = lambda *a, **k: (b := prepare(*a, **k), lengths.append(
+    prepare = runner.inputs.prepare
+    runner.inputs.prepare = lambda *a, **k: (b := prepare(*a, **k), lengths.append(
         len(b.attention.context_blocks)))[0]
     got = small.generate([prompt], params, use_tqdm=False)[0].outputs
     big = make_llm(tiny_model_dir, max_model_len=128, num_kv_blocks=256, max_num_seqs=32)
@@ -96,9 +96,7 @@ def test_compiled_step_copies_neither_the_pool_nor_any_weight(make_llm, tiny_mod
     runner = llm.llm_engine.runner
     if backend == "auto" and runner.backend.name != "cpu":
         pytest.skip("no C++ compiler: 'auto' is the 'xla' case")
-    batch = runner._padding_batch(8)
-    hlo = runner._step.lower(runner.param_leaves, runner.kv_cache.pool, batch,
-                               False).compile().as_text()
+    hlo = runner.lower_step(8).compile().as_text()
     L, _, K, P, S, H = runner.kv_cache.shape
     pools = {(L, 2, K, P, S, H), (L, 2, K, P * S, H)}
     weights = {tuple(w.shape[-2:]) for w in jax.tree.leaves(runner.params) if w.ndim >= 2}
@@ -121,9 +119,9 @@ def test_precompile_a_list_of_step_sizes(make_llm, tiny_model_dir):
     runner = llm.llm_engine.runner
     assert [T for T, _ in runner.step_shapes(32)].count(3) == 1  # 3 is its own bucket
     assert llm.stats()["num_compilations"] == 1
-    # no sampler variant
-    assert sorted(key[0] is runner._step for key in runner._compiled) == [False, True]
-    assert any(key[0] is runner._multi_step for key in runner._compiled)
+    # its k-step decode, and no sampler variant
+    assert runner.num_multi_step_executables == 1
+    assert runner.programs.num_executables(runner.programs.sample) == 0
     for bad in ([0], [1.5], [True], "1"):
         with pytest.raises(ValueError, match="precompile"):
             make_llm(tiny_model_dir, precompile=bad)

@@ -244,7 +244,7 @@ def test_a_fault_after_the_kv_writes_and_block_copies_is_rerun_safely(make_llm, 
     runner = llm.llm_engine.runner
     good = SamplingParams(n=2, max_tokens=10, seed=5)
     [ref] = llm.generate(PROMPTS[1], good, use_tqdm=False)
-    prepare, apply_copies = runner.prepare_sampling, runner.apply_copies
+    prepare, apply_copies = runner.sampler.prepare_sampling, runner.apply_copies
     events = []
 
     def faulty_prepare(samples):
@@ -257,7 +257,7 @@ def test_a_fault_after_the_kv_writes_and_block_copies_is_rerun_safely(make_llm, 
         events.append(("copy", len(copies)))
         apply_copies(copies)
 
-    monkeypatch.setattr(runner, "prepare_sampling", faulty_prepare)
+    monkeypatch.setattr(runner.sampler, "prepare_sampling", faulty_prepare)
     monkeypatch.setattr(runner, "apply_copies", counted_copies)
     outs = llm.generate([PROMPTS[1], PROMPTS[2]], [good, SamplingParams(max_tokens=10, seed=666)],
                         use_tqdm=False)

@@ -49,9 +49,7 @@ def llm(model, tp, kv_cache_dtype="auto", **options):
 def collectives(engine) -> dict:
     """The compiled step's collectives of a 16-token step: op -> list of result shapes."""
     runner = engine.runner
-    batch = runner._padding_batch(16)
-    text = runner._step.lower(runner.param_leaves, runner.kv_cache.pool, batch,
-                               False).compile().as_text()
+    text = runner.lower_step(16).compile().as_text()
     found = {}
     for op in COLLECTIVES:
         found[op] = [m.group(1) for m in re.finditer(
@@ -141,8 +139,8 @@ for model, tp in args.get("multi_step", []):  # 4 decode steps a call (`num_sche
     ids = [o.outputs[0].token_ids for o in engine_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     runner = engine_llm.llm_engine.runner
     out["ids"][f"{os.path.basename(model)}/{tp}/steps4"] = ids
-    out.setdefault("multi_step_ran", {})[f"{os.path.basename(model)}/{tp}"] = any(
-        key[0] is runner._multi_step for key in runner._compiled)
+    out.setdefault("multi_step_ran", {})[f"{os.path.basename(model)}/{tp}"] = (
+        runner.num_multi_step_executables > 0)
 for model, tp in args.get("async", []):  # `async_scheduling`, one step a call
     engine_llm = llm(model, tp, async_scheduling=True, num_scheduler_steps=1)
     ids = [o.outputs[0].token_ids for o in engine_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]

@@ -15,9 +15,9 @@ engine schedules step i+1 while step i runs, so step i is booked in two parts:
   as in `update_from_output`. A sequence that a token finishes here may be in step i+1 already;
   that row's draw is dropped when step i+1 is booked (its sequence is no longer running).
 
-Only steps of one model call with no speculative tokens are booked so (`async_step.can_launch`),
-and only for sequences whose draws depend on nothing the host learns from earlier draws (no
-penalties, grammars or prompt logprobs: `engine.async_scheduling.can_overlap`).
+Only steps of one model call with no speculative tokens are booked so, and only for sequences
+whose draws depend on nothing the host learns from earlier draws (no penalties, grammars or
+prompt logprobs: `host_needs.ASYNC_OVERLAP`).
 """
 
 from __future__ import annotations

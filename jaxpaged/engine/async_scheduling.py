@@ -5,9 +5,10 @@ Each `LLMEngine.step` call:
 
 1. schedules step i + 1, with step i booked as if its draws were known (`core.async_booking`:
    each draw is a placeholder token);
-2. launches it (`worker.async_step.launch`): its decode inputs that are step i's draws are read
-   from step i's device arrays, with no wait;
-3. reads step i's draws (the one wait of the call, while step i + 1 runs), fills them in, runs
+2. launches it (`ModelRunner.launch`): its decode inputs that are step i's draws are read from
+   step i's device arrays, with no wait;
+3. collects step i's draws (`ModelRunner.collect`: the one wait of the call, while step i + 1
+   runs), fills them in, runs
    the stop checks (token ids, lengths, stop strings) and returns step i's outputs;
 4. books step i + 1 as launched.
 
@@ -19,7 +20,7 @@ depends on its sequence and its position only (`sampler._sample_key`).
 
 Steps whose sequences need the host to know earlier draws before drawing run synchronously: in
 a call where any running or waiting sequence has penalties, a grammar, prompt logprobs or is a
-scoring sequence (`can_overlap`), the step in flight is read first and the next one runs as
+scoring sequence (`host_needs.ASYNC_OVERLAP`), the step in flight is read first and the next one runs as
 `LLMEngine.run_step` runs it; the step after a prompt forks into its n completions waits for
 that step too, and so does a multi-step call (`num_scheduler_steps`). An engine with a
 speculative proposer, or over several processes, never runs this way (`LLMEngine`). Weights
@@ -40,24 +41,15 @@ import logging
 import time
 
 from jaxpaged.core.async_booking import LaunchedBooking, book_draws, book_launched
+from jaxpaged.core.host_needs import ASYNC_OVERLAP, free_of
 from jaxpaged.core.scheduler import StepUpdate
-from jaxpaged.core.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from jaxpaged.core.sequence import PLACEHOLDER, SequenceStatus
 from jaxpaged.engine.faults import describe
 from jaxpaged.errors import EngineDeadError
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.worker.async_step import LaunchedStep, can_launch, collect, launch
+from jaxpaged.worker.model_runner import LaunchedStep
 
 logger = logging.getLogger(__name__)
-
-
-def can_overlap(seq: Sequence) -> bool:
-    """Whether `seq`'s next draw may be made before the host knows its last one: it has no
-    repetition, frequency or presence penalty (they count its output tokens), no grammar, no
-    prompt logprobs, and it is not a scoring sequence."""
-    p = seq.params
-    return (seq.matcher is None and seq.scoring is None and p.prompt_logprobs is None
-            and p.repetition_penalty == 1 and not p.frequency_penalty
-            and not p.presence_penalty)
 
 
 @dataclasses.dataclass
@@ -77,8 +69,8 @@ class AsyncScheduling:
 
     def _all_can_overlap(self) -> bool:
         scheduler = self.engine.scheduler
-        return all(map(can_overlap, scheduler.running)) and all(
-            map(can_overlap, scheduler.waiting))
+        return all(free_of(seq, ASYNC_OVERLAP)
+                   for seq in (*scheduler.running, *scheduler.waiting))
 
     def step(self) -> list[RequestOutput]:
         """One call (see the module): the outputs of the step whose draws it read."""
@@ -89,10 +81,11 @@ class AsyncScheduling:
         out = engine.schedule()
         if out is None:
             return self._finish() if prev is not None else []
-        if not overlap or not can_launch(out):
+        # A k-step decode reads its rows' last tokens on the host: the step in flight first.
+        if not overlap or out.num_steps > 1:
             return self._run_sync(out)
         try:
-            launched = launch(engine.runner, out, None if prev is None else prev.step)
+            launched = engine.runner.launch(out, None if prev is None else prev.step)
         except Exception as e:  # nothing of `out` ran: run it as the synchronous loop does
             logger.warning("launching a step raised %s; running it synchronously", describe(e))
             return self._run_sync(out)
@@ -128,7 +121,7 @@ class AsyncScheduling:
         engine, done = self.engine, self.in_flight
         self.in_flight = None
         try:
-            sampled = collect(engine.runner, done.step)
+            sampled = engine.runner.collect(done.step).sampled
         except Exception as fault:
             return self._fail(done, fault), False
         now = time.time()
@@ -140,7 +133,7 @@ class AsyncScheduling:
         requests fail (their K/V and draws cannot be trusted; none of its blocks is cached)."""
         engine = self.engine
         try:
-            engine.executor._check_pool(fault)
+            engine.executor.check_pool(fault)
         except EngineDeadError as e:
             engine.dead = e
             raise

@@ -60,7 +60,7 @@ class FaultIsolatingExecutor:
                 raise EngineDeadError(
                     f"a step across {jax.process_count()} processes failed (another process "
                     f"may have died): {describe(fault)}") from fault
-            self._check_pool(fault)
+            self.check_pool(fault)
             logger.warning("a step of %d rows raised %s; running its requests one at a time",
                            len(out.seqs), describe(fault), exc_info=fault)
             return self._execute_alone(out)
@@ -73,7 +73,7 @@ class FaultIsolatingExecutor:
             try:
                 self.runner.apply_copies(out.blocks_to_copy)
             except Exception as e:
-                self._check_pool(e)
+                self.check_pool(e)
                 raise EngineDeadError(f"copy-on-write copies failed: {describe(e)}") from e
         sampled, prompt_lps, failed = [[] for _ in out.seqs], {}, {}
         for request_id, rows in rows_of.items():
@@ -83,7 +83,7 @@ class FaultIsolatingExecutor:
             try:
                 part_sampled, part_lps = self.runner.execute(part)
             except Exception as e:
-                self._check_pool(e)
+                self.check_pool(e)
                 logger.error("request %s failed in a step: %s", request_id, describe(e),
                              exc_info=e)
                 failed[request_id] = describe(e)
@@ -95,12 +95,12 @@ class FaultIsolatingExecutor:
             try:
                 self.runner.probe()
             except Exception as e:
-                self._check_pool(e)
+                self.check_pool(e)
                 raise EngineDeadError(f"the fault recurs on a step without any request: "
                                       f"{describe(e)}") from e
         return sampled, prompt_lps, failed
 
-    def _check_pool(self, fault: Exception) -> None:
+    def check_pool(self, fault: Exception) -> None:
         """A fault inside the compiled step, after the pool was donated, takes the pool with
         it (on an accelerator it may show only when the pool is next read): every running
         sequence's K/V is gone, which is fatal."""

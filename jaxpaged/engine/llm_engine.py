@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -29,7 +30,6 @@ from jaxpaged.engine.weights import EngineWeights
 from jaxpaged.lora import LoRAManager, LoRARequest, check_lora_config, resolve_lora
 from jaxpaged.models.lora import lora_sites
 from jaxpaged.worker.kv_cache import resolve_kv_cache_dtype
-from jaxpaged.worker.multi_step import plain_greedy_decode
 from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.models import load_config
 from jaxpaged.models.quantization import check_quantization
@@ -41,6 +41,7 @@ from jaxpaged.platforms import current_platform
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.spec_decode import (ProposerContext, make_proposer,
                                   set_proposals)
+from jaxpaged.core.host_needs import MULTI_STEP, free_of
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.sequence import Scoring, Sequence
 
@@ -121,7 +122,7 @@ class LLMEngine:
                                    eos_token_ids=self.eos_token_ids,
                                    recompute_at=self.model_config.rope_switch_length,
                                    admit=self.lora and self.lora.admit,
-                                   multi_step=(plain_greedy_decode
+                                   multi_step=(functools.partial(free_of, needs=MULTI_STEP)
                                                if self.runner.num_scheduler_steps > 1
                                                else None))
         self.executor = FaultIsolatingExecutor(self.runner)

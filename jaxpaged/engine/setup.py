@@ -91,20 +91,20 @@ def build_runner(model: nnx.Module, cache_config: CacheConfig, num_blocks: int,
     every shape the limits allow (`precompile=True`, with a progress bar), those of the listed
     step sizes alone, quietly, or none."""
     platform = current_platform()
+    # Multi-step decoding draws greedily on the device, with no proposer, in steps whose
+    # positions all rotate alike (longrope's switch recomputes a sequence).
+    steps = (1 if batch_invariant or spec_tokens or model.config.rope_switch_length
+             else scheduler.num_scheduler_steps)
     runner = ModelRunner(model, cache_config, num_blocks, kv_cache_dtype,
                          max_num_seqs=scheduler.max_num_seqs,
                          max_model_len=scheduler.max_model_len,
                          compilation_cache_dir=cache_dir,
                          min_seq_slots=(platform.batch_invariant_min_seq_slots
-                                        if batch_invariant else 1))
+                                        if batch_invariant else 1),
+                         num_scheduler_steps=steps, greedy_draws=not batch_invariant)
     if batch_invariant:
         runner.min_step_tokens = platform.batch_invariant_min_step_tokens(
             runner, runner.backend.name)
-        runner.greedy_draws = False
-    elif not spec_tokens and not model.config.rope_switch_length:
-        # Multi-step decoding draws greedily on the device, with no proposer, in steps whose
-        # positions all rotate alike (longrope's switch recomputes a sequence).
-        runner.num_scheduler_steps = scheduler.num_scheduler_steps
     shapes = runner.step_shapes(scheduler.max_num_batched_tokens)
     if isinstance(precompile, (list, tuple)):  # those step sizes alone, quietly
         wanted = {runner.step_tokens(n) for n in precompile}
@@ -198,9 +198,7 @@ def size_pool_from_memory(model: nnx.Module, cache_config: CacheConfig, kv_cache
     probe = ModelRunner(model, cache_config, -(-scheduler.max_model_len // S), kv_cache_dtype,
                         max_num_seqs=scheduler.max_num_seqs,
                         max_model_len=scheduler.max_model_len)
-    batch = probe._padding_batch(probe.step_tokens(scheduler.max_num_batched_tokens))
-    compiled = probe._step.lower(probe.param_leaves, probe.kv_cache.pool, batch,
-                                 False).compile()
+    compiled = probe.lower_step(probe.step_tokens(scheduler.max_num_batched_tokens)).compile()
     activation = memory.step_activation_bytes(compiled)
     probe.release()
     del probe, compiled

@@ -89,21 +89,18 @@ def _run_prefills(runner, T: int, lengths: list[int]) -> np.ndarray:
     """`probe_min_step_tokens`'s `run` on `runner` (a `ModelRunner`): the sequences'
     tokens (fixed pseudo-random ids) in a step padded to T tokens, each in blocks of its own
     from block 0 on, written to the pool (free at start) and read by nothing after."""
-    from jaxpaged.models.base import ModelInput
-
     S, vocab_size = runner.limits.block_size, runner.config.vocab_size
-    ids, positions = np.zeros((T,), np.int32), np.zeros((T,), np.int32)
-    seqs, start, first_block = [], 0, 0
-    for n in lengths:
-        ids[start:start + n] = (np.arange(start, start + n) * 7919 + 11) % vocab_size
-        positions[start:start + n] = np.arange(n)
+    tables = np.zeros((len(lengths), runner.limits.max_blocks_per_seq), np.int32)
+    first_block = 0
+    for i, n in enumerate(lengths):
         num_blocks = -(-n // S)
-        seqs.append((list(range(first_block, first_block + num_blocks)), 0, n))
-        start, first_block = start + n, first_block + num_blocks
-    rope = np.full((T,), max(lengths), np.int32) if runner.config.rope_switch_length else None
-    batch = ModelInput(ids, positions, runner.backend.build(runner.limits, T, seqs), rope,
-                       lora_slots=np.zeros((T,), np.int32) if runner.uses_lora else None)
-    return np.asarray(runner._run_step(batch)[0])[:len(lengths)]
+        tables[i, :num_blocks] = np.arange(first_block, first_block + num_blocks)
+        first_block += num_blocks
+    total = sum(lengths)
+    ids = (np.arange(total) * 7919 + 11) % vocab_size
+    batch = runner.inputs.model_input(T, tables, np.zeros((len(lengths),), np.int32),
+                                      np.asarray(lengths, np.int32), ids)
+    return np.asarray(runner.run_model(batch))[:len(lengths)]
 
 
 class CpuPlatform(Platform):

@@ -6,6 +6,7 @@ import logging
 
 from collections.abc import Sequence as SequenceList
 
+from jaxpaged.core.host_needs import SPECULATION, free_of
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.registry import Proposer
@@ -16,12 +17,10 @@ logger = logging.getLogger(__name__)
 def num_proposals(seq: Sequence, k: int, max_model_len: int) -> int:
     """How many proposals `seq` may take: at most k, and leaving room for the token the target
     draws after them within `max_tokens` and `max_model_len`; 0 for a sequence whose outputs
-    the proposals would change how they are computed (a grammar, penalties, min_tokens not
-    reached, a scoring sequence)."""
+    the proposals would change how they are computed (`host_needs.SPECULATION`: a grammar,
+    penalties, min_tokens not reached, a scoring sequence)."""
     p = seq.params
-    if (seq.matcher is not None or seq.scoring is not None
-            or seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1
-            or p.frequency_penalty or p.presence_penalty):
+    if not free_of(seq, SPECULATION):
         return 0
     room = min(p.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
     return max(0, min(k, room))

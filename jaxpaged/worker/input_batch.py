@@ -219,16 +219,6 @@ class InputBatch:
             presence_penalty=f["presence_penalty"] if use_penalties else None,
             processed_logprobs=static["processed"], num_candidates=static["num_candidates"])
 
-    def plain_greedy(self, samples: list[tuple[int, Sequence, int, list[int]]]) -> bool:
-        """Whether `samples` all draw greedily from their raw logits alone and report no
-        logprobs (no bias, allowed or stop tokens, penalties or grammar): their draws are then
-        the model step's own (`sampler.greedy_draw`)."""
-        if any(seq.matcher is not None or not seq.params.is_greedy
-               or seq.params.logprobs is not None for _, seq, _, _ in samples):
-            return False
-        static = self._static_metadata(self._rows_of(samples))
-        return not static["uses_dense"] and static["processed"] is None
-
     def _rows_of(self, samples: list[tuple[int, Sequence, int, list[int]]]) -> np.ndarray:
         """i32[R]: each sample's row, padded to R = next power of two with `max_num_rows`."""
         rows = np.full((next_power_of_2(len(samples)),), self.max_num_rows, np.int32)
