@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence as SequenceList
 
 from jaxpaged.core.sequence import Sequence
-from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.config import SpeculativeConfig
 from jaxpaged.spec_decode.registry import Proposer
 
 logger = logging.getLogger(__name__)
