@@ -5,8 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from jaxpaged.core.request_queue import REQUEST_QUEUES
+
+if TYPE_CHECKING:
+    from jaxpaged.pallas_kernels.plan import KernelPlan
 
 # Prompt tokens a sequence computes at most in a step that also decodes. A step's time grows
 # with the tokens it computes, so this keeps a mixed step within a small multiple of a decode
@@ -291,6 +295,57 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = SpeculativeConfig.disable_by_batch_size
 
 
 @dataclasses.dataclass(frozen=True)
+class ResolvedMode:
+    """What runs of one mode, beside what was asked for.
+
+    value: the mode in force. requested: what the options gave (None: not given, the
+    default applied). reason: why `value` differs from the request, or from the default
+    (None: it does not).
+    """
+
+    value: Any
+    requested: Any = None
+    reason: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "requested": self.requested, "reason": self.reason}
+
+
+@dataclasses.dataclass(frozen=True)
+class EffectiveModes:
+    """The modes an engine runs in, each resolved once from the options and the model
+    (`jaxpaged.engine.modes.resolve_modes`); the engine, scheduler and runner read these.
+
+    kernels: the platform's `KernelPlan` (the attention backend, matmul, MoE and LoRA
+    kernels); None until the engine's setup resolves it (`engine.setup.resolve_kernel_plan`:
+    it needs the platform, which starts jax).
+    """
+
+    num_scheduler_steps: ResolvedMode  # decode steps a call (multi-step decoding)
+    async_scheduling: ResolvedMode  # step i + 1 launched while step i runs
+    batch_invariant: ResolvedMode
+    speculative: ResolvedMode  # the proposer's method, or None
+    kernels: KernelPlan | None = None
+
+    def to_dict(self) -> dict:
+        """Each mode's value, request and reason, and the kernel plan's fields (JSON values)."""
+        out = {f.name: getattr(self, f.name).to_dict() for f in dataclasses.fields(self)
+               if f.name != "kernels"}
+        out["kernels"] = None if self.kernels is None else dataclasses.asdict(self.kernels)
+        return out
+
+    @classmethod
+    def as_given(cls, scheduler: SchedulerConfig, execution: ExecutionConfig,
+                 speculative: SpeculativeConfig | None) -> EffectiveModes:
+        """The modes of a config built by hand: each as its section gives it, no reasons."""
+        method = None if speculative is None else speculative.method
+        return cls(ResolvedMode(scheduler.num_scheduler_steps, scheduler.num_scheduler_steps),
+                   ResolvedMode(scheduler.async_scheduling, scheduler.async_scheduling),
+                   ResolvedMode(execution.batch_invariant, execution.batch_invariant),
+                   ResolvedMode(method, method))
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything an `LLMEngine` is built from, resolved (`EngineArgs.create_engine_config`)."""
 
@@ -303,3 +358,12 @@ class EngineConfig:
     reasoning: ReasoningConfig
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     lora: LoRAConfig = LoRAConfig()
+    # What runs, resolved from the request (`EngineArgs.create_engine_config`); None: as the
+    # sections give it (`EffectiveModes.as_given`). `scheduler.num_scheduler_steps` and
+    # `scheduler.async_scheduling` hold the resolved values.
+    modes: EffectiveModes | None = None
+
+    def __post_init__(self):
+        if self.modes is None:
+            object.__setattr__(self, "modes", EffectiveModes.as_given(
+                self.scheduler, self.execution, self.speculative))
