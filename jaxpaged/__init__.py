@@ -11,6 +11,10 @@ worker.
 
 import importlib
 
+# The C++ kernels learn where to build as soon as jaxpaged is imported (`jaxpaged.platforms`
+# configures them), so code that calls `cpu_attention.available()` directly finds them.
+import jaxpaged.platforms  # noqa: F401,E402
+
 # Public name -> the module that defines it.
 _EXPORTS = {
     "LLM": "jaxpaged.entrypoints.llm",
