@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from jaxpaged.spec_decode import SpeculativeConfig
+from typing import TYPE_CHECKING, Any
 
 from jaxpaged.core.request_queue import REQUEST_QUEUES
+
+if TYPE_CHECKING:
+    from jaxpaged.pallas_kernels.plan import KernelPlan
 
 # Prompt tokens a sequence computes at most in a step that also decodes. A step's time grows
 # with the tokens it computes, so this keeps a mixed step within a small multiple of a decode
@@ -208,6 +209,143 @@ class ExecutionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys.
+
+    method: "ngram" (prompt lookup), "draft_model" (implied by `model`), or another proposer
+      registered in `jaxpaged.spec_decode.registry.PROPOSERS`.
+    num_speculative_tokens: k, the tokens proposed per sequence and step.
+    prompt_lookup_max / prompt_lookup_min: the longest and shortest n-gram matched ("ngram";
+      vLLM's defaults: one given sets both, neither gives 5).
+    model: the draft model ("draft_model"), as the target's `model` is given (a folder, a GGUF
+      file or an embedded model's name), with the target's vocabulary.
+    disable_by_batch_size: no proposals in a step in which more sequences decode than this
+      (None: never off); the default, `DEFAULT_DISABLE_BY_BATCH_SIZE`, is where verification
+      stopped paying on this project's CPU (`bench/speculative.py`; README, "Speculative
+      decoding").
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int | None = 8  # DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self):
+        def positive(name):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"speculative_config: {name} must be an int >= 1, "
+                                 f"got {value!r}")
+
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "disable_by_batch_size"):
+            positive(name)
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        from jaxpaged.spec_decode.registry import PROPOSERS  # names only: nothing is loaded
+        if self.method not in PROPOSERS:
+            raise ValueError(f"speculative_config: method {self.method!r} is not one of "
+                             f"{sorted(PROPOSERS)}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method 'draft_model' needs a 'model'")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config: 'model' is for method 'draft_model', "
+                                 "not 'ngram'")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+            if lo > hi:
+                raise ValueError(f"speculative_config: prompt_lookup_min {lo} is larger than "
+                                 f"prompt_lookup_max {hi}")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def from_dict(cls, config: dict | str | None) -> "SpeculativeConfig | None":
+        """From a dict or its JSON text (the server's `--speculative-config`); None stays None.
+
+        Raises:
+          ValueError: not a JSON object, an unknown key, or a bad value (named).
+        """
+        if config is None or isinstance(config, SpeculativeConfig):
+            return config
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict, got {config!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: "
+                             f"{sorted(known)}")
+        config = dict(config)
+        if config.get("model") is not None:
+            config.setdefault("method", "draft_model")
+        return cls(**config)
+
+
+# Decoding sequences above which a step proposes nothing, by default (see SpeculativeConfig).
+DEFAULT_DISABLE_BY_BATCH_SIZE = SpeculativeConfig.disable_by_batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedMode:
+    """What runs of one mode, beside what was asked for.
+
+    value: the mode in force. requested: what the options gave (None: not given, the
+    default applied). reason: why `value` differs from the request, or from the default
+    (None: it does not).
+    """
+
+    value: Any
+    requested: Any = None
+    reason: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "requested": self.requested, "reason": self.reason}
+
+
+@dataclasses.dataclass(frozen=True)
+class EffectiveModes:
+    """The modes an engine runs in, each resolved once from the options and the model
+    (`jaxpaged.engine.modes.resolve_modes`); the engine, scheduler and runner read these.
+
+    kernels: the platform's `KernelPlan` (the attention backend, matmul, MoE and LoRA
+    kernels); None until the engine's setup resolves it (`engine.setup.resolve_kernel_plan`:
+    it needs the platform, which starts jax).
+    """
+
+    num_scheduler_steps: ResolvedMode  # decode steps a call (multi-step decoding)
+    async_scheduling: ResolvedMode  # step i + 1 launched while step i runs
+    batch_invariant: ResolvedMode
+    speculative: ResolvedMode  # the proposer's method, or None
+    kernels: KernelPlan | None = None
+
+    def to_dict(self) -> dict:
+        """Each mode's value, request and reason, and the kernel plan's fields (JSON values)."""
+        out = {f.name: getattr(self, f.name).to_dict() for f in dataclasses.fields(self)
+               if f.name != "kernels"}
+        out["kernels"] = None if self.kernels is None else dataclasses.asdict(self.kernels)
+        return out
+
+    @classmethod
+    def as_given(cls, scheduler: SchedulerConfig, execution: ExecutionConfig,
+                 speculative: SpeculativeConfig | None) -> EffectiveModes:
+        """The modes of a config built by hand: each as its section gives it, no reasons."""
+        method = None if speculative is None else speculative.method
+        return cls(ResolvedMode(scheduler.num_scheduler_steps, scheduler.num_scheduler_steps),
+                   ResolvedMode(scheduler.async_scheduling, scheduler.async_scheduling),
+                   ResolvedMode(execution.batch_invariant, execution.batch_invariant),
+                   ResolvedMode(method, method))
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything an `LLMEngine` is built from, resolved (`EngineArgs.create_engine_config`)."""
 
@@ -220,3 +358,12 @@ class EngineConfig:
     reasoning: ReasoningConfig
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     lora: LoRAConfig = LoRAConfig()
+    # What runs, resolved from the request (`EngineArgs.create_engine_config`); None: as the
+    # sections give it (`EffectiveModes.as_given`). `scheduler.num_scheduler_steps` and
+    # `scheduler.async_scheduling` hold the resolved values.
+    modes: EffectiveModes | None = None
+
+    def __post_init__(self):
+        if self.modes is None:
+            object.__setattr__(self, "modes", EffectiveModes.as_given(
+                self.scheduler, self.execution, self.speculative))

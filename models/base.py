@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.pallas_kernels.backends import AttentionMetadata, AttentionSpec
+from jaxpaged.pallas_kernels.plan import KernelPlan
 
 
 class ModelConfig(Protocol):
@@ -36,6 +37,7 @@ class ModelConfig(Protocol):
     rope_switch_length: int | None
 
     tensor_parallel_size: int  # devices the model is split over (heads, MLP, vocabulary)
+    kernels: KernelPlan  # the kernels its layers run (`pallas_kernels.plan`)
 
     def for_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> "ModelConfig":
         """The config split over tp devices (KV heads repeated where fewer than tp; a

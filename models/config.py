@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from jaxpaged.pallas_kernels.backends import AttentionSpec
+from jaxpaged.pallas_kernels.plan import KernelPlan
 # RoPE lives in `models.rope`; RopeScaling and SUPPORTED_ROPE_TYPES are re-exported from here.
 from jaxpaged.models.rope import (SUPPORTED_ROPE_TYPES, RopeScaling, RopeTables, parse_hf_rope,
                                   rope_tables)
@@ -78,6 +79,9 @@ class LlamaConfig:
     # Copies of each checkpoint KV head: num_key_value_heads is the checkpoint's times this
     # (> 1 where tp exceeds the checkpoint's KV heads).
     kv_head_replicas: int = 1
+    # The kernels the engine's platform chose (`Platform.kernel_plan`), not read from
+    # config.json either: the layers built from this config read it at call time.
+    kernels: KernelPlan = KernelPlan()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -28,6 +28,7 @@ from jaxpaged.models.base import DenseBatch, ModelInput
 from jaxpaged.models.lora import project
 from jaxpaged.pallas_kernels import few_row_matmul as few_rows
 from jaxpaged.pallas_kernels.backends import MODEL_AXIS, AttentionBackend, AttentionSpec
+from jaxpaged.pallas_kernels.plan import KernelPlan
 
 COLUMN = (None, MODEL_AXIS)  # f[in, out] split on out
 ROW = (MODEL_AXIS, None)  # f[in, out] split on in
@@ -53,10 +54,12 @@ class RMSNorm(nnx.Module):
 
 class Linear(nnx.Linear):
     """`nnx.Linear` (the same parameters and results) whose matmul of a few rows runs the CPU
-    few-row kernel (`pallas_kernels.few_row_matmul`) once the engine turns `few_row_kernel` on
-    (`enable_few_row_kernel`)."""
+    few-row kernel (`pallas_kernels.few_row_matmul`) where it is built with `few_row_kernel`
+    (the model's `KernelPlan.few_row_matmul`)."""
 
-    few_row_kernel = False
+    def __init__(self, *args, few_row_kernel: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.few_row_kernel = few_row_kernel
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
@@ -68,9 +71,11 @@ class Linear(nnx.Linear):
 
 class Embed(nnx.Embed):
     """`nnx.Embed` whose `attend` (a tied LM head, `x @ embedding.T`) of a few rows runs the CPU
-    few-row kernel once the engine turns `few_row_kernel` on."""
+    few-row kernel where it is built with `few_row_kernel`."""
 
-    few_row_kernel = False
+    def __init__(self, *args, few_row_kernel: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.few_row_kernel = few_row_kernel
 
     def attend(self, x: jax.Array) -> jax.Array:
         table = self.embedding[...]
@@ -79,22 +84,13 @@ class Embed(nnx.Embed):
         return few_rows.few_row_matmul(x, table, transposed=True)
 
 
-def enable_few_row_kernel(model: nnx.Module) -> int:
-    """Turns the few-row kernel on in `model`'s `Linear` and `Embed` layers (for an engine on
-    one CPU device with float32 weights); returns how many layers."""
-    count = 0
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, (Linear, Embed)):
-            node.few_row_kernel = True
-            count += 1
-    return count
-
-
 def linear(d_in: int, d_out: int, dtype, rngs: nnx.Rngs, bias: bool = False,
-           partition: tuple = (None, None)) -> Linear:
-    """A `Linear` kernel f[d_in, d_out] (and bias f[d_out]) with its partition spec."""
+           partition: tuple = (None, None), kernels: KernelPlan = KernelPlan()) -> Linear:
+    """A `Linear` kernel f[d_in, d_out] (and bias f[d_out]) with its partition spec, on the
+    few-row kernel where `kernels` says."""
     return Linear(
         d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+        few_row_kernel=kernels.few_row_matmul,
         kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), partition),
         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), partition[1:]))
 
@@ -130,8 +126,8 @@ class Attention(nnx.Module):
         # HF's q_proj, k_proj and v_proj side by side (see `models.loader`): one matmul
         # instead of three, which XLA's CPU GEMMs run faster at the step's small token counts.
         self.qkv_proj = linear(D, (N + 2 * K) * H, dtype, rngs, bias=config.qkv_bias,
-                               partition=COLUMN)
-        self.o_proj = linear(N * H, D, dtype, rngs, partition=ROW)
+                               partition=COLUMN, kernels=config.kernels)
+        self.o_proj = linear(N * H, D, dtype, rngs, partition=ROW, kernels=config.kernels)
         # "full": one RMSNorm over all of q's heads and one over k's (OLMoE), else per head.
         self.full_qk_norm = qk_norm == "full"
         norm = lambda width: RMSNorm(width, config.rms_norm_eps, dtype=dtype,
@@ -218,8 +214,9 @@ class GatedMLP(nnx.Module):
     def __init__(self, config, *, dtype, rngs: nnx.Rngs, intermediate_size: int | None = None):
         D, F = config.hidden_size, intermediate_size or config.intermediate_size
         # HF's gate_proj, then up_proj, by shard (module doc)
-        self.gate_up_proj = linear(D, 2 * F, dtype, rngs, partition=COLUMN)
-        self.down_proj = linear(F, D, dtype, rngs, partition=ROW)
+        self.gate_up_proj = linear(D, 2 * F, dtype, rngs, partition=COLUMN,
+                                   kernels=config.kernels)
+        self.down_proj = linear(F, D, dtype, rngs, partition=ROW, kernels=config.kernels)
         self.act = ACTIVATIONS[config.hidden_act]
         self.tp = config.tensor_parallel_size
 

@@ -91,7 +91,7 @@ class LlamaForCausalLM(nnx.Module):
         # Vocabulary-parallel: the embedding f[V, D] and the LM head f[D, V] split on V.
         self.embed_tokens = Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs,
-            embedding_init=nnx.with_partitioning(nnx.initializers.variance_scaling(
+            few_row_kernel=config.kernels.few_row_matmul, embedding_init=nnx.with_partitioning(nnx.initializers.variance_scaling(
                 1.0, "fan_in", "normal", out_axis=0), (MODEL_AXIS, None)))
         self.layers = nnx.List([
             DecoderLayer(config, dtype=dtype, backend=self.backend,
@@ -103,7 +103,7 @@ class LlamaForCausalLM(nnx.Module):
                             unit_offset=self.UNIT_OFFSET_NORMS)
         self.lm_head = (None if config.tie_word_embeddings
                         else linear(config.hidden_size, config.vocab_size, dtype, rngs,
-                                    partition=COLUMN))
+                                    partition=COLUMN, kernels=config.kernels))
 
     def make_mlp(self, config: LlamaConfig, layer: int, dtype, rngs: nnx.Rngs
                  ) -> nnx.Module | None:

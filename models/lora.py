@@ -59,15 +59,15 @@ class LoRA(nnx.Module):
 
     lora_a: f[max_loras, in, parts * max_lora_rank]; lora_b: one f[max_loras, max_lora_rank,
     out_p] per part p. Slot s of the engine (1..max_loras) is index s - 1. The products run
-    on the CPU kernel (`pallas_kernels.lora_matmul`: each token's own adapter only) once the
-    engine turns `lora_kernel` on (`enable_lora_kernel`), else as a one-hot over the slots.
+    on the CPU kernel (`pallas_kernels.lora_matmul`: each token's own adapter only) where it is
+    built with `lora_kernel` (the model's `KernelPlan.lora_matmul`), else as a one-hot over
+    the slots.
     """
 
-    lora_kernel = False
-
     def __init__(self, site: LoRASite, *, max_loras: int, max_lora_rank: int, dtype,
-                 tensor_parallel_size: int, mesh=None):
+                 tensor_parallel_size: int, mesh=None, lora_kernel: bool = False):
         self.max_loras, self.rank = max_loras, max_lora_rank
+        self.lora_kernel = lora_kernel
         self.tp = tensor_parallel_size
         num_parts = len(site.part_widths)
         a_spec = (None, None, None) if site.column_parallel else (None, MODEL_AXIS, None)
@@ -143,19 +143,9 @@ def enable_lora(model: nnx.Module, *, max_loras: int, max_lora_rank: int, dtype,
             owner = owner[int(key)] if key.isdigit() else getattr(owner, key)
         setattr(owner, f"{attr}_lora", LoRA(
             site, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
-            tensor_parallel_size=model.config.tensor_parallel_size, mesh=mesh))
+            tensor_parallel_size=model.config.tensor_parallel_size, mesh=mesh,
+            lora_kernel=model.config.kernels.lora_matmul))
     return sites
-
-
-def enable_lora_kernel(model: nnx.Module) -> int:
-    """Turns the CPU kernel on in `model`'s adapter slots (`LoRA.lora_kernel`; for an engine on
-    one CPU device with float32 weights); returns how many projections."""
-    count = 0
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, LoRA):
-            node.lora_kernel = True
-            count += 1
-    return count
 
 
 def project(base: nnx.Module, lora: LoRA | None, x: jax.Array,

@@ -24,7 +24,7 @@ The experts (`experts_forward`), each `down(act(gate(x)) * up(x))`, with `gate_u
   - "kernel": the C++ kernel on CPU (`pallas_kernels.moe_experts`): the pairs grouped by
     expert, each expert's rows through its matrices read in place, no copy; the fastest at
     every step size where it runs (one CPU device, float32 activations, SiLU, D and F
-    multiples of 64), so an engine that turns it on (`enable_moe_kernel`) takes it whatever the
+    multiples of 64), so a model whose kernel plan names it (`KernelPlan.moe_experts`) takes it whatever the
     step's size.
 Otherwise `experts_forward` picks among the jnp paths by the step's static size (`choose_path`).
 
@@ -372,23 +372,24 @@ class SparseMoeBlock(nnx.Module):
     Quantized (`set_int8_experts`), the experts are int8 with `experts_gate_up_scale:
     f32[E, 2F]` and `experts_down_scale: f32[E, D]` (None while float).
 
-    `path`: forces one of `PATHS` (tests, benchmarks); None: the C++ kernel where the engine
-    turned `moe_kernel` on (`enable_moe_kernel`) and it fits, else `choose_path` by step size.
+    `path`: forces one of `PATHS` (tests, benchmarks); None: the C++ kernel where the config's
+    kernel plan names it (`config.kernels.moe_experts`, kept as `moe_kernel`) and it fits,
+    else `choose_path` by step size.
     """
 
     path: str | None = None
-    moe_kernel = False
 
     def __init__(self, config, *, dtype, rngs: nnx.Rngs, routing: Routing, num_experts: int,
                  intermediate_size: int, shared_intermediate_size: int = 0,
                  router_bias: bool = False, expert_parallel: bool = False, mesh=None):
         D, E, F = config.hidden_size, num_experts, intermediate_size
         self.routing = routing
+        self.moe_kernel = config.kernels.moe_experts
         self.tp = config.tensor_parallel_size
         # Expert parallelism's mesh (whole experts per device), or None: each expert's hidden
         # units split over the model axis, as a dense MLP's (`models.layers`).
         self.mesh = mesh if expert_parallel and self.tp > 1 else None
-        self.router = linear(D, E, dtype, rngs, bias=router_bias)
+        self.router = linear(D, E, dtype, rngs, bias=router_bias, kernels=config.kernels)
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         spec = ((MODEL_AXIS, None, None), (MODEL_AXIS, None, None)) if expert_parallel else (
             (None, None, MODEL_AXIS), (None, MODEL_AXIS, None))
@@ -404,7 +405,8 @@ class SparseMoeBlock(nnx.Module):
         self.shared_expert = (GatedMLP(config, dtype=dtype, rngs=rngs,
                                        intermediate_size=shared_intermediate_size)
                               if shared else None)
-        self.shared_expert_gate = linear(D, 1, dtype, rngs) if shared else None
+        self.shared_expert_gate = (linear(D, 1, dtype, rngs, kernels=config.kernels)
+                                   if shared else None)
 
     def gates(self) -> tuple[nnx.Module, ...]:
         """The layers that route or gate (the router, the shared expert's gate): quantization
@@ -463,13 +465,3 @@ class SparseMoeBlock(nnx.Module):
             out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.astype(x.dtype)
 
-
-def enable_moe_kernel(model: nnx.Module) -> int:
-    """Turns the C++ experts kernel on in `model`'s MoE layers (`SparseMoeBlock.moe_kernel`; for an
-    engine on one CPU device with float32 activations); returns how many layers."""
-    count = 0
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, SparseMoeBlock):
-            node.moe_kernel = True
-            count += 1
-    return count

@@ -5,8 +5,8 @@ XLA:CPU runs a one-row matmul as a GEMV that streams the weights once, but a mat
 rows as a GEMM that first packs the weights: 1.5x to 2.4x the one-row time for the same bytes
 read. The kernel reads each weight once and uses it for every row while it is in registers, so
 a step of 2 to 16 tokens costs little more than a step of one. The layers that call it
-(`models.layers.Linear`, `models.layers.Embed.attend`) do so only when the engine turns them on
-(`enable_few_row_kernel`: one CPU device, float32 weights); otherwise, and for other row
+(`models.layers.Linear`, `models.layers.Embed.attend`) do so only where the model's kernel plan names it
+(`plan.KernelPlan.few_row_matmul`: one CPU device, float32 weights); otherwise, and for other row
 counts, XLA's dot runs.
 """
 
@@ -27,7 +27,7 @@ def fits(x: jax.Array, w: jax.Array, transposed: bool = False) -> bool:
     """Whether `x @ w` (`x @ w.T` when `transposed`) runs on the kernel: x f32[..., K] of
     2..MAX_ROWS rows in all, w f32 2-D with N (its output size) a multiple of 64, and the C++
     kernels built. Whether the backend is a CPU is the caller's question (the engine's
-    platform turns the layers' `few_row_kernel` on)."""
+    platform's `KernelPlan.few_row_matmul` builds the layers on it)."""
     rows = math.prod(x.shape[:-1])
     n = w.shape[0] if transposed else w.shape[-1]
     return (MIN_ROWS <= rows <= MAX_ROWS and w.ndim == 2 and n % 64 == 0

@@ -8,7 +8,7 @@ side by side. The reference (`lora_matmul_reference`, what runs elsewhere: tenso
 GPU, bf16) computes `x @ A` for every slot at once and masks it to the token's slot (a one-hot),
 so its products cost S times what the tokens' own adapters need; the kernel groups the tokens
 by slot and runs each group through its own adapter only. `models.lora.LoRA` calls the kernel
-once the engine turns its `lora_kernel` on (one CPU device, float32 weights).
+where the model's kernel plan names it (`plan.KernelPlan.lora_matmul`) (one CPU device, float32 weights).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def lora_matmul_reference(x: jax.Array, slots: jax.Array, lora_a: jax.Array,
 def fits(x: jax.Array, lora_a: jax.Array, lora_b: Sequence[jax.Array]) -> bool:
     """Whether `lora_matmul` runs on these: x f32[T, I], lora_a f32[S, I, P * R], P >= 1
     arrays lora_b f32[S, R, O_p], and the C++ kernels built. Whether the backend is one CPU
-    is the caller's question (the engine's platform turns `LoRA.lora_kernel` on)."""
+    is the caller's question (the platform's `KernelPlan.lora_matmul` builds `LoRA` on it)."""
     arrays = (x, lora_a, *lora_b)
     if not lora_b or lora_a.ndim != 3 or any(a.dtype != jnp.float32 for a in arrays):
         return False

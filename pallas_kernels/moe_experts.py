@@ -6,7 +6,7 @@ XLA:CPU has no grouped matmul (`jax.lax.ragged_dot` multiplies every row by ever
 the jnp paths of `models.moe` run every expert on every token or copy the experts' matrices
 they gather. The kernel reads each expert a step uses once, whatever the step's size, and a
 token's outputs do not depend on the rest of its step. The engine turns it on for one CPU
-device (`SparseMoeBlock.moe_kernel`, `CpuPlatform.use_moe_kernel`); its gated MLP is SiLU's.
+device (`SparseMoeBlock.moe_kernel`, `KernelPlan.moe_experts` from `CpuPlatform.kernel_plan`); its gated MLP is SiLU's.
 """
 
 from __future__ import annotations

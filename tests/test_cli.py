@@ -76,13 +76,17 @@ def test_serve_the_default_model_to_the_openai_client(default_model_dir):
 
 
 
-def test_serve_decodes_one_step_a_call_unless_told():
+def test_serve_decodes_one_step_a_call_unless_told(tiny_model_dir):
     """`jaxpaged serve` takes num_scheduler_steps 1 (a request arriving during a multi-step
-    call would wait for it); --num-scheduler-steps overrides; LLM's default (8) is LLM's."""
+    call would wait for it); --num-scheduler-steps overrides; LLM's default (8) is LLM's. The
+    flags leave it unset: the engine config resolves it by usage context (`EngineArgs`)."""
     from jaxpaged.entrypoints.cli import _engine_args, build_parser
 
     parse = build_parser().parse_args
-    assert _engine_args(parse(["serve"]), serving=True).num_scheduler_steps == 1
-    told = parse(["serve", "--num-scheduler-steps", "4"])
-    assert _engine_args(told, serving=True).num_scheduler_steps == 4
-    assert _engine_args(parse(["serve"])).num_scheduler_steps is None  # LLM resolves it
+    serve = _engine_args(parse(["serve", "--model", str(tiny_model_dir)]))
+    assert serve.num_scheduler_steps is None
+    assert serve.create_engine_config("serve").scheduler.num_scheduler_steps == 1
+    assert serve.create_engine_config("offline").scheduler.num_scheduler_steps == 8
+    told = _engine_args(parse(["serve", "--model", str(tiny_model_dir),
+                               "--num-scheduler-steps", "4"]))
+    assert told.create_engine_config("serve").scheduler.num_scheduler_steps == 4

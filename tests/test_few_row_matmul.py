@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpaged.models.layers import Embed, Linear, enable_few_row_kernel
+from jaxpaged.models.layers import Embed, Linear
 from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.pallas_kernels.few_row_matmul import MAX_ROWS, few_row_matmul, fits
 
@@ -46,7 +46,12 @@ def test_layers_equal_without_the_kernel():
     embed = Embed(256, 96, rngs=rngs)
     x = jax.random.normal(jax.random.key(1), (5, 96))
     plain = (linear(x), embed.attend(x))
-    assert enable_few_row_kernel(nnx.List([linear, embed])) == 2
-    with_kernel = (linear(x), embed.attend(x))
+    # The same parameters in layers built on the kernel (`KernelPlan.few_row_matmul`).
+    fast_linear = Linear(96, 192, use_bias=True, rngs=nnx.Rngs(0), few_row_kernel=True)
+    fast_embed = Embed(256, 96, rngs=nnx.Rngs(0), few_row_kernel=True)
+    fast_linear.kernel[...], fast_linear.bias[...] = linear.kernel[...], linear.bias[...]
+    fast_embed.embedding[...] = embed.embedding[...]
+    assert fast_linear.few_row_kernel and not linear.few_row_kernel
+    with_kernel = (fast_linear(x), fast_embed.attend(x))
     for a, b in zip(with_kernel, plain):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpaged.models.lora import LoRA, LoRASite, enable_lora_kernel
+from jaxpaged.models.lora import LoRA, LoRASite
 from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.pallas_kernels.lora_matmul import fits, lora_matmul, lora_matmul_reference
 from jaxpaged.platforms import current_platform
@@ -77,10 +77,15 @@ def test_layer_equals_itself_without_the_kernel():
     for var, b in zip(lora.lora_b, bs):
         var[...] = b
     plain = lora(x, slots)
-    assert enable_lora_kernel(nnx.List([lora])) == 1 and lora.lora_kernel
-    jaxpr = str(jax.make_jaxpr(lambda x, s: lora(x, s))(x, slots))
+    fast = LoRA(site, max_loras=5, max_lora_rank=16, dtype=jnp.float32, tensor_parallel_size=1,
+                lora_kernel=True)
+    fast.lora_a[...] = a
+    for var, b in zip(fast.lora_b, bs):
+        var[...] = b
+    assert fast.lora_kernel and not lora.lora_kernel
+    jaxpr = str(jax.make_jaxpr(lambda x, s: fast(x, s))(x, slots))
     assert cpu_attention.LORA_MATMUL_TARGET in jaxpr
-    np.testing.assert_allclose(lora(x, slots), plain, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(fast(x, slots), plain, rtol=1e-5, atol=1e-4)
 
 
 def test_the_engine_turns_the_kernel_on_where_the_platform_runs_it(tiny_model_dir, make_llm):
@@ -88,14 +93,16 @@ def test_the_engine_turns_the_kernel_on_where_the_platform_runs_it(tiny_model_di
     runner = llm.llm_engine.runner
     loras = [node for _, node in nnx.iter_graph(nnx.merge(runner.graphdef, runner.params))
              if isinstance(node, LoRA)]
-    assert loras and current_platform().use_lora_kernel(np.float32, False, False)
+    plan = llm.llm_engine.config.modes.kernels
+    assert plan == current_platform().kernel_plan(np.float32, False, False)
+    assert loras and plan.lora_matmul
     assert all(node.lora_kernel for node in loras)
 
 
 def test_the_platform_runs_it_on_one_device_in_float32_only():
     platform = current_platform()
-    assert platform.use_lora_kernel(jnp.float32, False, False) == (
+    assert platform.kernel_plan(jnp.float32, False, False).lora_matmul == (
         "lora_matmul" in platform.kernels())
-    assert not platform.use_lora_kernel(jnp.bfloat16, False, False)
-    assert not platform.use_lora_kernel(jnp.float32, True, False)  # tensor parallel
-    assert not platform.use_lora_kernel(jnp.float32, False, True)  # batch-invariant
+    assert not platform.kernel_plan(jnp.bfloat16, False, False).lora_matmul
+    assert not platform.kernel_plan(jnp.float32, True, False).lora_matmul  # tensor parallel
+    assert not platform.kernel_plan(jnp.float32, False, True).lora_matmul  # batch-invariant

@@ -16,6 +16,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.pallas_kernels.plan import KernelPlan
 from jaxpaged import SamplingParams
 from jaxpaged.models import moe
 from jaxpaged.models.layers import ACTIVATIONS
@@ -168,7 +169,8 @@ def test_the_block_with_its_shared_expert_equals_qwen2_moe(num_tokens):
 
     block, routing = hf_block("qwen2_moe")
     config = types.SimpleNamespace(hidden_size=64, intermediate_size=64, hidden_act="silu",
-                                   tensor_parallel_size=1)  # what the block reads of a config
+                                   tensor_parallel_size=1,  # what the block reads of a config
+                                   kernels=KernelPlan())
     with nnx.use_eager_sharding(False):  # as the models build (`LlamaForCausalLM`)
         ours_block = moe.SparseMoeBlock(config, dtype=jnp.float32, rngs=nnx.Rngs(0),
                                         routing=routing, num_experts=8, intermediate_size=64,

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxpaged.pallas_kernels.plan import KernelPlan
 from jaxpaged import SamplingParams
 from jaxpaged.models import moe
 from jaxpaged.models.layers import ACTIVATIONS
@@ -93,7 +94,7 @@ def test_grouped_int8_experts_in_small_tiles_equal_dense():
 def qwen2_moe_block(shared: int = 64) -> moe.SparseMoeBlock:
     """A random SparseMoeBlock with a shared expert, as a model builds it (one device)."""
     config = types.SimpleNamespace(hidden_size=D, intermediate_size=F, hidden_act="silu",
-                                   tensor_parallel_size=1)
+                                   tensor_parallel_size=1, kernels=KernelPlan())
     with nnx.use_eager_sharding(False):
         return moe.SparseMoeBlock(config, dtype=jnp.float32, rngs=nnx.Rngs(0),
                                   routing=moe.Routing(K), num_experts=E, intermediate_size=F,

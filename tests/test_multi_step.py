@@ -145,7 +145,7 @@ def _running(sched: Scheduler, n: int, prompt_len: int, max_tokens: int) -> list
 def test_scheduler_books_k_slots_and_gives_back_a_stopped_sequences():
     bm = BlockManager(num_blocks=16, block_size=4)
     sched = Scheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=K), bm,
-                      eos_token_ids={2}, multi_step=lambda seq: True)
+                      eos_token_ids={2})
     a, b = _running(sched, 2, prompt_len=7, max_tokens=20)
     out = sched.schedule()
     assert out.num_steps == K and out.seqs == [a, b] and out.num_scheduled_tokens == [1, 1]
@@ -161,8 +161,7 @@ def test_scheduler_books_k_slots_and_gives_back_a_stopped_sequences():
 
 def test_scheduler_runs_single_steps_while_a_sequence_cannot_take_k():
     bm = BlockManager(num_blocks=16, block_size=4)
-    sched = Scheduler(SchedulerConfig(max_model_len=9, num_scheduler_steps=K), bm,
-                      multi_step=lambda seq: True)
+    sched = Scheduler(SchedulerConfig(max_model_len=9, num_scheduler_steps=K), bm)
     short, = _running(sched, 1, prompt_len=6, max_tokens=20)  # room for 2 before max_model_len
     assert sched.schedule().num_steps == 1
     sched.finish(short, "abort")
@@ -173,8 +172,7 @@ def test_scheduler_runs_single_steps_while_a_sequence_cannot_take_k():
 
 def test_a_sequence_reaching_max_tokens_in_a_call_drops_its_later_draws():
     bm = BlockManager(num_blocks=16, block_size=4)
-    sched = Scheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=K), bm,
-                      multi_step=lambda seq: True)
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=K), bm)
     a, b = _running(sched, 2, prompt_len=7, max_tokens=20)
     b.params = SamplingParams(temperature=0, max_tokens=3)  # 2 tokens left: fewer than K
     out = sched.schedule()

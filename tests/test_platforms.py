@@ -1,6 +1,7 @@
 """The platform layer (`jaxpaged.platforms`) and the environment (`jaxpaged.envs`): one place
 asks jax for its backend and reads environment variables; the platform decides the defaults."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpaged import envs
+from jaxpaged.pallas_kernels import KernelPlan
 from jaxpaged.platforms import (CpuPlatform, CudaPlatform, current_platform, platform_for,
                                 resolve_dtype)
 
@@ -54,7 +56,7 @@ def test_cuda_defaults_bfloat16_and_the_pallas_kernels():
     assert platform.resolve_dtype("auto") == jnp.bfloat16
     assert platform.attention_backend("auto") == "pallas"
     assert platform.kernels() == frozenset()
-    assert not platform.use_few_row_kernel(jnp.float32, False, False)
+    assert platform.kernel_plan(jnp.float32, False, False) == KernelPlan(attention="pallas")
     with pytest.raises(ValueError, match="batch_invariant=True is implemented on CPU only, "
                        "not on 'cuda'"):
         platform.batch_invariant_backend("auto")
@@ -78,14 +80,30 @@ def test_auto_attention_backend_is_the_platforms_to_resolve():
 def test_few_row_kernel_follows_the_platform_and_its_variable(monkeypatch):
     platform = CpuPlatform()
     monkeypatch.delenv("JAXPAGED_FEW_ROW_KERNEL", raising=False)
-    on = platform.use_few_row_kernel(jnp.float32, False, False)
+    on = platform.kernel_plan(jnp.float32, False, False).few_row_matmul
     assert on == ("few_row_matmul" in platform.kernels())
-    assert not platform.use_few_row_kernel(jnp.float32, False, True)  # batch-invariant
-    assert not platform.use_few_row_kernel(jnp.bfloat16, False, False)
-    assert not platform.use_few_row_kernel(jnp.float32, True, False)  # tensor parallel
+    assert not platform.kernel_plan(jnp.float32, False, True).few_row_matmul  # batch-invariant
+    assert not platform.kernel_plan(jnp.bfloat16, False, False).few_row_matmul
+    assert not platform.kernel_plan(jnp.float32, True, False).few_row_matmul  # tensor parallel
     monkeypatch.setenv("JAXPAGED_FEW_ROW_KERNEL", "0")
     assert not envs.few_row_kernel_enabled()
-    assert not platform.use_few_row_kernel(jnp.float32, False, False)
+    assert not platform.kernel_plan(jnp.float32, False, False).few_row_matmul
+
+
+def test_the_kernel_plan_names_every_kernel_once():
+    platform = CpuPlatform()
+    built = "few_row_matmul" in platform.kernels()
+    plan = platform.kernel_plan(jnp.float32, False, False, "xla")
+    assert plan.attention == "xla"
+    assert (plan.quantized_matmul, plan.moe_experts, plan.lora_matmul) == (built,) * 3
+    invariant = platform.kernel_plan(jnp.float32, False, True)
+    assert invariant.attention == platform.batch_invariant_backend("auto")
+    assert invariant.moe_experts == built and not invariant.lora_matmul  # MoE's stays
+    assert not platform.kernel_plan(jnp.float32, True, False).quantized_matmul  # tp
+    with pytest.raises(ValueError, match="'cpu' or 'xla' attention backend"):
+        platform.kernel_plan(jnp.float32, False, True, "pallas")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.moe_experts = not plan.moe_experts
 
 
 def test_envs_defaults_and_overrides(monkeypatch, tmp_path):

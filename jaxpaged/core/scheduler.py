@@ -26,7 +26,7 @@ the budget and free blocks allow (proposals are dropped before anything is preem
 
 Multi-step decoding (`num_scheduler_steps` k > 1, vLLM's v0 name): when nothing waits, every
 running sequence decodes, and each may take k more tokens with its draws made on the device
-(`multi_step`, the engine's test: plain greedy, no proposer), one step runs k decode steps in a
+(`host_needs.MULTI_STEP`: plain greedy, no proposals), one step runs k decode steps in a
 row (`SchedulerOutput.num_steps`), each feeding its greedy draws to the next, with slots booked
 for all k tokens up front (vLLM's lookahead slots). The host schedules, dispatches and books
 once per k tokens. `update_from_output` appends the k tokens in order and checks each, as a
@@ -53,6 +53,7 @@ from typing import Protocol
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.request_queue import make_request_queue
 from jaxpaged.config import SchedulerConfig
+from jaxpaged.core.host_needs import MULTI_STEP, free_of
 from jaxpaged.core.sequence import Sequence, SequenceStatus, completion_seed
 
 
@@ -118,19 +119,15 @@ class Scheduler:
         switch), or None: a running sequence that reaches it is computed again from its start,
         as a preemption by recompute (transformers' Phi-3 drops its cache there too).
       admit: whether a waiting sequence may join the running ones now (LoRA slots), or None.
-      multi_step: whether a decoding sequence's next tokens may be drawn on the device, several
-        steps in a row (`num_scheduler_steps`), or None: never.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  padded_tokens: Callable[[int], int] | None = None,
                  eos_token_ids: Collection[int] = frozenset(),
                  recompute_at: int | None = None,
-                 admit: Callable[[Sequence, list[Sequence]], bool] | None = None,
-                 multi_step: Callable[[Sequence], bool] | None = None):
+                 admit: Callable[[Sequence, list[Sequence]], bool] | None = None):
         self.config = config
         self.admit = admit
-        self.multi_step = multi_step
         self.recompute_at = recompute_at
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -193,17 +190,17 @@ class Scheduler:
 
     def _schedule_multi_step(self, out: SchedulerOutput) -> bool:
         """Schedules `num_scheduler_steps` decode steps of every running sequence, if nothing
-        waits, each decodes, may (`multi_step`), has room for that many tokens before
+        waits, each decodes, may (`host_needs.MULTI_STEP`), has room for that many tokens before
         `max_model_len`, and the free blocks hold all their slots; else changes nothing. (One
         that reaches `max_tokens` or a stop sooner drops its later draws.)"""
         k, running = self.config.num_scheduler_steps, self.running
-        if (k == 1 or self.multi_step is None or self.waiting or not running
+        if (k == 1 or self.waiting or not running
                 or len(running) > self.config.max_num_batched_tokens):
             return False
         for seq in running:  # a sequence that reaches max_tokens sooner drops its later draws
             if (not _is_decode(seq) or seq.spec_token_ids
                     or self.config.max_model_len - seq.num_tokens < k
-                    or self._passes_recompute_length(seq) or not self.multi_step(seq)):
+                    or self._passes_recompute_length(seq) or not free_of(seq, MULTI_STEP)):
                 return False
         bm = self.block_manager
         plans = [bm.append_plan(seq, k) for seq in running]

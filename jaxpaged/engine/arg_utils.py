@@ -10,7 +10,8 @@ option is adding a field here (and reading it where it acts).
 
 `create_engine_config()` resolves the options (the model folder, `max_model_len`'s default,
 "auto" quantization, the speculative config's JSON) into one frozen `EngineConfig`, which
-`LLMEngine` and the server read.
+`LLMEngine` and the server read, with the modes that will run (`engine.modes`): what was asked
+for, resolved against the other options and the model, each change with its reason.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ import typing
 from jaxpaged.config import (DTYPES, KV_CACHE_DTYPES, CacheConfig, EngineConfig,
                              ExecutionConfig, LoRAConfig, ModelLoadConfig, ParallelConfig,
                              QuantizationConfig, ReasoningConfig, SchedulerConfig,
-                             check_precompile)
+                             SpeculativeConfig, check_precompile)
+from jaxpaged.engine.modes import USAGE_CONTEXTS, resolve_modes
 from jaxpaged.models.quantization import QUANTIZATION_METHODS
 from jaxpaged.pallas_kernels.backends import ATTENTION_BACKENDS
 from jaxpaged.core.request_queue import REQUEST_QUEUES
 from jaxpaged.reasoning import REASONING_PARSERS
-from jaxpaged.spec_decode import SpeculativeConfig
 
 # Titles of the CLI's argument groups, by a field's `group`.
 CLI_GROUPS = {"engine": "engine",
@@ -110,13 +111,16 @@ class EngineArgs:
     num_scheduler_steps: int | None = _option(
         None, "scheduler.num_scheduler_steps", "decode steps run in one call, each step's "
         "greedy draws fed to the next on the device, while every running sequence decodes "
-        "plainly greedily and nothing waits; default 8 in LLM (offline: the requests are all "
-        "known), 1 in jaxpaged serve and EngineArgs (a new request would wait for the call)",
+        "plainly greedily and nothing waits; default 8 in LLM and the one-shot commands "
+        "(offline: the requests are all known; 1 with async_scheduling), 1 in jaxpaged serve "
+        "(a new request would wait for the call); off (1) with batch_invariant, "
+        "speculative_config or a longrope model",
         min=1)
     async_scheduling: bool = _option(
         False, "scheduler.async_scheduling", "prepare and launch each step while the device "
         "runs the one before, its draws read one step late (LLM then defaults "
-        "num_scheduler_steps to 1; multi-step calls run synchronously)")
+        "num_scheduler_steps to 1; multi-step calls run synchronously); off with "
+        "speculative_config or several processes")
     block_size: int = _option(16, "cache.block_size", "tokens per KV block", min=1)
     num_kv_blocks: int | None = _option(
         None, "cache.num_kv_blocks", "blocks in the KV pool; default: as many as "
@@ -193,6 +197,12 @@ class EngineArgs:
     max_cpu_loras: int | None = _option(None, "lora.max_cpu_loras", "adapters held in host "
                                         "memory (least recently used dropped); default "
                                         "max_loras", min=1, group="lora")
+
+    # `num_scheduler_steps` when not given, by how the engine is used (`create_engine_config`'s
+    # `usage_context`): offline (`LLM`, run-batch, generate, chat) every request is known, so
+    # decode steps run 8 a call (the host's work per token divided by as many; README, "Several
+    # decode steps a call"); a server's new request would wait for such a call.
+    DEFAULT_SCHEDULER_STEPS: typing.ClassVar[dict[str, int]] = {"serve": 1, "offline": 8}
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -289,14 +299,25 @@ class EngineArgs:
 
     # -- EngineConfig ----------------------------------------------------------------------
 
-    def create_engine_config(self) -> EngineConfig:
+    def create_engine_config(self, usage_context: str = "serve") -> EngineConfig:
         """The resolved, frozen configuration: the model folder (`resolve_model`: the embedded
         default is prepared on first use), `max_model_len` from the model's config when not
-        given, "auto" quantization (w8a8 for a GGUF file) and the speculative config parsed.
+        given, "auto" quantization (w8a8 for a GGUF file), the speculative config parsed, and
+        the modes that will run (`config.modes`, `engine.modes.resolve_modes`; the scheduler
+        section holds the resolved `num_scheduler_steps` and `async_scheduling`), an explicit
+        request that cannot hold logged once.
+
+        Args:
+          usage_context: "serve" (the default: `jaxpaged serve`, `EngineArgs`) or "offline"
+            (`LLM`): picks the defaults that differ (`DEFAULT_SCHEDULER_STEPS`).
 
         Raises:
-          ValueError: an unknown model, or values that do not fit together (named).
+          ValueError: an unknown model or usage context, or values that do not fit together
+            (named).
         """
+        if usage_context not in USAGE_CONTEXTS:
+            raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, "
+                             f"got {usage_context!r}")
         from jaxpaged.model_loader.model_store import resolve_model
         from jaxpaged.models import load_config
 
@@ -310,11 +331,19 @@ class EngineArgs:
                      else os.fspath(self.model))
         if model["generation_config"] is not None:
             model["generation_config"] = os.fspath(model["generation_config"])
+        model_config = load_config(model_dir)
         scheduler = sections["scheduler"]
-        if scheduler["num_scheduler_steps"] is None:  # `LLM` sets its own default first
-            scheduler["num_scheduler_steps"] = 1
         if scheduler["max_model_len"] is None:
-            scheduler["max_model_len"] = load_config(model_dir).max_position_embeddings
+            scheduler["max_model_len"] = model_config.max_position_embeddings
+        speculative = SpeculativeConfig.from_dict(sections["speculative"][""])  # all of it
+        modes = resolve_modes(
+            num_scheduler_steps=self.num_scheduler_steps,
+            default_scheduler_steps=self.DEFAULT_SCHEDULER_STEPS[usage_context],
+            async_scheduling=self.async_scheduling, batch_invariant=self.batch_invariant,
+            speculative=speculative, num_processes=self.num_processes,
+            rope_switch_length=model_config.rope_switch_length)
+        scheduler.update(num_scheduler_steps=modes.num_scheduler_steps.value,
+                         async_scheduling=modes.async_scheduling.value)
         quantization = sections["quantization"]
         if quantization["method"] == "auto":
             quantization["method"] = ("w8a8" if self.model is not None
@@ -328,8 +357,7 @@ class EngineArgs:
             execution=ExecutionConfig(**execution),
             quantization=QuantizationConfig(**quantization),
             reasoning=ReasoningConfig(**sections["reasoning"]),
-            speculative=SpeculativeConfig.from_dict(sections["speculative"][""]),  # all of it
-            lora=LoRAConfig(**sections["lora"]))
+            speculative=speculative, lora=LoRAConfig(**sections["lora"]), modes=modes)
 
 
 def _union(hint) -> tuple:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from jaxpaged.engine.embedding import Embedder
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.processor import RequestProcessor
 from jaxpaged.engine.setup import (build_runner, load_engine_model, make_backend,
-                                   max_spec_step_tokens, size_pool,
+                                   max_spec_step_tokens, resolve_kernel_plan, size_pool,
                                    size_pool_from_memory)
 from jaxpaged.engine.stats import engine_stats
 from jaxpaged.engine.weights import EngineWeights
@@ -41,7 +40,6 @@ from jaxpaged.platforms import current_platform
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.spec_decode import (ProposerContext, make_proposer,
                                   set_proposals)
-from jaxpaged.core.host_needs import MULTI_STEP, free_of
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.sequence import Scoring, Sequence
 
@@ -71,6 +69,7 @@ class LLMEngine:
         self.model_config = load_config(model_dir).for_tensor_parallel(
             tensor_parallel_size, config.parallel.enable_expert_parallel)
         self.dtype = current_platform().resolve_dtype(config.model.dtype)
+        self.config = config = resolve_kernel_plan(config, self.dtype)  # `config.modes.kernels`
         self.quantization = config.quantization.method
         check_quantization(self.quantization)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
@@ -121,20 +120,13 @@ class LLMEngine:
                                    padded_tokens=self.runner.step_tokens,
                                    eos_token_ids=self.eos_token_ids,
                                    recompute_at=self.model_config.rope_switch_length,
-                                   admit=self.lora and self.lora.admit,
-                                   multi_step=(functools.partial(free_of, needs=MULTI_STEP)
-                                               if self.runner.num_scheduler_steps > 1
-                                               else None))
+                                   admit=self.lora and self.lora.admit)
         self.executor = FaultIsolatingExecutor(self.runner)
         # Step i + 1 launched before step i's draws are read (`engine.async_scheduling`); one
         # process only, without a proposer.
         self.async_scheduling = None
-        if self.scheduler_config.async_scheduling:
-            if self.speculative_config is not None or jax.process_count() > 1:
-                logger.warning("async_scheduling is off: it runs in one process without "
-                               "speculative decoding")
-            else:
-                self.async_scheduling = AsyncScheduling(self)
+        if config.modes.async_scheduling.value:  # resolved (`engine.modes`)
+            self.async_scheduling = AsyncScheduling(self)
         self.proposer = (None if self.speculative_config is None else make_proposer(
             self.speculative_config, ProposerContext(
                 self.model_config, self.dtype, backend, self.cache_config, num_blocks,
@@ -154,7 +146,7 @@ class LLMEngine:
         """`setup.load_engine_model` with this engine's options."""
         return load_engine_model(self.model_dir, self.model_config, self.dtype, backend,
                                  self.mesh, self.quantization, self.batch_invariant,
-                                 self.config.lora)
+                                 self.config.lora, kernels=self.config.modes.kernels)
 
     # -- requests ---------------------------------------------------------------------------
 

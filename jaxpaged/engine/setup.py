@@ -12,17 +12,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpaged.config import CacheConfig, ExecutionConfig, LoRAConfig, SchedulerConfig
+from jaxpaged.config import (CacheConfig, EngineConfig, ExecutionConfig, LoRAConfig,
+                             SchedulerConfig, SpeculativeConfig)
 from jaxpaged.model_loader.loader import load_model_from_dir
 from jaxpaged.models import ModelConfig
-from jaxpaged.models.layers import enable_few_row_kernel
-from jaxpaged.models.moe import enable_moe_kernel
-from jaxpaged.models.lora import enable_lora, enable_lora_kernel
+from jaxpaged.models.lora import enable_lora
 from jaxpaged.models.quantization import quantize_model
-from jaxpaged.pallas_kernels import make_attention_backend
+from jaxpaged.pallas_kernels import KernelPlan, make_attention_backend
 from jaxpaged.platforms import current_platform
-from jaxpaged.platforms.interface import INT8_MATMUL
-from jaxpaged.spec_decode import SpeculativeConfig
 from jaxpaged.worker import memory
 from jaxpaged.worker.kv_cache import code_dtype, kv_cache_bytes_per_token, num_kv_blocks
 from jaxpaged.worker.model_runner import ModelRunner
@@ -44,30 +41,37 @@ def release_freed_memory() -> None:
         pass
 
 
+def resolve_kernel_plan(config: EngineConfig, dtype) -> EngineConfig:
+    """`config` with its kernel plan (`config.modes.kernels`): the platform's choice
+    (`Platform.kernel_plan`) for the weights' `dtype`, the tensor-parallel split, batch
+    invariance and the attention backend asked for. Called once, where the engine is built
+    (the platform starts jax, which `create_engine_config` must not).
+
+    Raises:
+      ValueError: batch invariance or an attention backend the platform cannot run (named).
+    """
+    plan = current_platform().kernel_plan(
+        dtype, config.parallel.tensor_parallel_size > 1, config.modes.batch_invariant.value,
+        config.execution.attention_backend)
+    return dataclasses.replace(config, modes=dataclasses.replace(config.modes, kernels=plan))
+
+
 def load_engine_model(model_dir: Path, model_config: ModelConfig, dtype, backend, mesh,
                       quantization: str | None, batch_invariant: bool,
-                      lora: LoRAConfig = LoRAConfig()) -> nnx.Module:
+                      lora: LoRAConfig = LoRAConfig(), *, kernels: KernelPlan) -> nnx.Module:
     """The model with its weights (read from the GGUF file itself for a folder that serves
-    one, `gguf_import.write_gguf_metadata`), quantized as `quantization` says
-    (`models.quantization`), with adapter slots where `lora.enable_lora` (`models.lora`), on
-    the few-row and LoRA kernels where the platform uses them."""
+    one, `gguf_import.write_gguf_metadata`), built on the kernels of `kernels`
+    (`ModelConfig.kernels`: the few-row, MoE and LoRA kernels), quantized as `quantization`
+    says (`models.quantization`, on the C++ matmul where `kernels.quantized_matmul`), with
+    adapter slots where `lora.enable_lora` (`models.lora`); `batch_invariant`: the quantized
+    layers compute each row one way whatever the step (`models.quantization`)."""
+    model_config = dataclasses.replace(model_config, kernels=kernels)
     model = load_model_from_dir(model_dir, model_config, dtype, backend, mesh)
-    model = quantize_model(model, quantization, mesh=mesh,
-                           use_kernel=INT8_MATMUL in current_platform().kernels(),
+    model = quantize_model(model, quantization, mesh=mesh, use_kernel=kernels.quantized_matmul,
                            batch_invariant=batch_invariant)
     if lora.enable_lora:
         enable_lora(model, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank,
                     dtype=dtype, mesh=mesh)
-        # Each token through its own adapter only, on the CPU kernel, where it runs.
-        if current_platform().use_lora_kernel(dtype, mesh is not None, batch_invariant):
-            enable_lora_kernel(model)
-    # Steps of a few tokens (verifications) on the few-row kernel; not in batch-invariant
-    # mode, whose rows must be computed one way whatever the step's size.
-    if current_platform().use_few_row_kernel(dtype, mesh is not None, batch_invariant):
-        enable_few_row_kernel(model)
-    # Mixture-of-Experts experts grouped by expert, each read in place, on the CPU kernel.
-    if current_platform().use_moe_kernel(dtype, mesh is not None):
-        enable_moe_kernel(model)
     release_freed_memory()
     return model
 
@@ -91,17 +95,16 @@ def build_runner(model: nnx.Module, cache_config: CacheConfig, num_blocks: int,
     every shape the limits allow (`precompile=True`, with a progress bar), those of the listed
     step sizes alone, quietly, or none."""
     platform = current_platform()
-    # Multi-step decoding draws greedily on the device, with no proposer, in steps whose
-    # positions all rotate alike (longrope's switch recomputes a sequence).
-    steps = (1 if batch_invariant or spec_tokens or model.config.rope_switch_length
-             else scheduler.num_scheduler_steps)
     runner = ModelRunner(model, cache_config, num_blocks, kv_cache_dtype,
                          max_num_seqs=scheduler.max_num_seqs,
                          max_model_len=scheduler.max_model_len,
                          compilation_cache_dir=cache_dir,
                          min_seq_slots=(platform.batch_invariant_min_seq_slots
                                         if batch_invariant else 1),
-                         num_scheduler_steps=steps, greedy_draws=not batch_invariant)
+                         # Resolved with the config (`engine.modes`): 1 under batch
+                         # invariance, speculation or longrope.
+                         num_scheduler_steps=scheduler.num_scheduler_steps,
+                         greedy_draws=not batch_invariant)
     if batch_invariant:
         runner.min_step_tokens = platform.batch_invariant_min_step_tokens(
             runner, runner.backend.name)

@@ -1,11 +1,12 @@
-"""`LLMEngine.stats()`: block, queue, token and speculation counts of one engine."""
+"""`LLMEngine.stats()`: block, queue, token and speculation counts of one engine, and the
+modes it runs in."""
 
 from __future__ import annotations
 
 from jaxpaged.models.quantization import weight_bytes
 
 
-def engine_stats(engine) -> dict[str, int]:
+def engine_stats(engine) -> dict:
     """Block and queue counts: num_total_blocks, num_free_blocks, num_used_blocks,
     num_shared_blocks, num_cow_copies, num_running, num_waiting (sequences),
     num_running_requests, num_waiting_requests (requests with a running sequence / with all
@@ -16,7 +17,8 @@ def engine_stats(engine) -> dict[str, int]:
     (the parameters' bytes, whole arrays) and kv_cache_bytes_per_token (pool bytes per token,
     all layers); with speculative decoding, num_spec_drafts, num_spec_draft_tokens,
     num_spec_accepted_tokens (steps a sequence verified proposals in, tokens proposed, tokens
-    accepted) and spec_acceptance_rate."""
+    accepted) and spec_acceptance_rate; and effective_modes, the modes that run with what
+    was asked and why they differ (`config.EffectiveModes.to_dict`)."""
     bm, scheduler, runner = engine.block_manager, engine.scheduler, engine.runner
     running_requests = {s.request_id for s in scheduler.running}
     waiting_requests = {s.request_id for s in scheduler.waiting} - running_requests
@@ -39,6 +41,7 @@ def engine_stats(engine) -> dict[str, int]:
         "num_compilations": runner.num_compilations,
         "weight_bytes": 0 if runner.params is None else weight_bytes(runner.params),
         "kv_cache_bytes_per_token": runner.kv_cache.spec.bytes_per_token,
+        "effective_modes": engine.config.modes.to_dict(),
     }
     if engine.proposer is not None:
         stats.update({

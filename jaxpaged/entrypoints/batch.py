@@ -18,7 +18,7 @@ order that the threads decide, and logprobs (rarely, sampled tokens) may differ.
 
 The manifest (`<output>.manifest.json`): versions (jaxpaged and its git commit when run from
 a checkout, jax, jaxlib, flax, transformers, Python), platform, devices and XLA_FLAGS, every
-engine option, the sha256 of each file of the model folder (the tokenizer's files among them),
+engine option and the modes that ran (each with what was asked and why it differs), the sha256 of each file of the model folder (the tokenizer's files among them),
 of the input and of the output, each request's effective seed, the LoRA adapters held (their
 folders and files' sha256; `replay` refuses changed files) and which one each request named,
 and the wall time.
@@ -227,11 +227,13 @@ def write_manifest(path: Path, kind: str, llm, engine_options: dict, input_path,
     """Writes (and returns) the manifest of a run of `llm` (module doc): `environment()`, the
     engine's backend, dtype and options, the sha256 of each model file and of the input and
     output files (their paths recorded as `path_text` gives them), each request's effective
-    seed, the wall time and any further `fields`."""
+    seed, the wall time and any further `fields`; and the modes that ran, each with what was
+    asked and why it differs (`effective_modes`, `config.EffectiveModes.to_dict`)."""
     engine = llm.llm_engine
     manifest = {
         "kind": kind, **environment(), "attention_backend": engine.attention_backend,
         "dtype": np.dtype(engine.dtype).name, "engine_options": engine_options,
+        "effective_modes": engine.config.modes.to_dict(),
         "model_files": model_files(engine.model_dir),
         "input": {"path": path_text(input_path), "sha256": sha256(input_path)},
         "output": {"path": path_text(output_path), "sha256": sha256(output_path)},

@@ -193,19 +193,15 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_args(args: argparse.Namespace, one_shot: int = 0, serving: bool = False):
+def _engine_args(args: argparse.Namespace, one_shot: int = 0):
     """The `EngineArgs` the flags give. A one-shot command (generate, chat: `one_shot` is its
     number of sequences) compiles only the shapes it runs unless --precompile is given: its
     decode step while the tokenizer loads (when it decodes: more than one token), its prompt's
     when it meets it; and its KV pool is what its sequences can fill (`_one_shot_pool`) unless
-    --num-kv-blocks or --kv-cache-memory-bytes is given. `serving` (jaxpaged serve) decodes
-    one step a call unless --num-scheduler-steps is given: a request arriving during a
-    multi-step call would wait for it."""
+    --num-kv-blocks or --kv-cache-memory-bytes is given."""
     from jaxpaged.engine.arg_utils import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
-    if serving and engine_args.num_scheduler_steps is None:
-        engine_args.num_scheduler_steps = 1
     if one_shot and "precompile" not in args:
         engine_args.precompile = [one_shot] if args.max_tokens != 1 else False
     if one_shot and not {"num_kv_blocks", "kv_cache_memory_bytes",
@@ -257,13 +253,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    engine_args = _engine_args(args, serving=True)
+    engine_args = _engine_args(args)
     if args.allow_runtime_lora_updating and not engine_args.enable_lora:
         raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
     if engine_args.enable_lora and engine_args.num_processes > 1:
         raise ValueError("--enable-lora: adapters are served on one process only")
     loras = _lora_modules(args, engine_args)
-    llm = LLM.from_engine_args(engine_args)
+    # The serving defaults (`EngineArgs.DEFAULT_SCHEDULER_STEPS`): one decode step a call, as
+    # a request arriving during a multi-step call would wait for it.
+    llm = LLM.from_engine_args(engine_args, usage_context="serve")
     for lora in loras:
         llm.add_lora(lora)
     if engine_args.num_processes > 1 and engine_args.process_id > 0:

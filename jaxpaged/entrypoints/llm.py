@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import inspect
 import os
@@ -26,10 +25,6 @@ from jaxpaged.distributed.parallel import init_distributed
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, generation_defaults
 
 PromptType = str | dict
-# `num_scheduler_steps` when not given: decode steps a call while the running requests all
-# decode plainly greedily (the host's work per token divided by as many; README, "Several
-# decode steps a call").
-OFFLINE_SCHEDULER_STEPS = 8
 
 
 def _token_rows(rows, field: str, repeat: int | None = None) -> list:
@@ -70,22 +65,20 @@ class LLM:
         self._init(EngineArgs.from_kwargs(model=model, **kwargs))
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
-        """The `LLM` of `engine_args` (as `LLM(**dataclasses.asdict(engine_args))`)."""
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: str = "offline") -> LLM:
+        """The `LLM` of `engine_args` (as `LLM(**dataclasses.asdict(engine_args))`), with the
+        defaults of `usage_context` ("offline", or "serve" for `jaxpaged serve`:
+        `EngineArgs.create_engine_config`)."""
         llm = cls.__new__(cls)
-        llm._init(engine_args)
+        llm._init(engine_args, usage_context)
         return llm
 
-    def _init(self, engine_args: EngineArgs) -> None:
+    def _init(self, engine_args: EngineArgs, usage_context: str = "offline") -> None:
         self.engine_args = engine_args  # as given, for a manifest (`jaxpaged.entrypoints.batch`)
         if engine_args.coordinator_address is not None:
             init_distributed(engine_args.coordinator_address, engine_args.num_processes,
                              engine_args.process_id)
-        if engine_args.num_scheduler_steps is None:  # offline: every request is known
-            engine_args = dataclasses.replace(
-                engine_args, num_scheduler_steps=(1 if engine_args.async_scheduling
-                                                  else OFFLINE_SCHEDULER_STEPS))
-        config = engine_args.create_engine_config()
+        config = engine_args.create_engine_config(usage_context)
         self.llm_engine = LLMEngine(config)
         self._dense_forward = None  # jitted on first use
         generation_config = config.model.generation_config

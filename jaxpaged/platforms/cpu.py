@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxpaged import envs
 from jaxpaged.pallas_kernels import cpu_attention
+from jaxpaged.pallas_kernels.plan import KernelPlan
 from jaxpaged.platforms.interface import (CPU_ATTENTION, FEW_ROW_MATMUL, INT8_MATMUL,
                                           LORA_MATMUL, MOE_EXPERTS, Platform)
 
@@ -125,23 +126,24 @@ class CpuPlatform(Platform):
             return frozenset()
         return frozenset({CPU_ATTENTION, FEW_ROW_MATMUL, INT8_MATMUL, LORA_MATMUL, MOE_EXPERTS})
 
-    def use_few_row_kernel(self, dtype, tensor_parallel: bool, batch_invariant: bool) -> bool:
-        """One device, float32 weights, not batch-invariant (a row must be computed one way
-        whatever the step's size), not turned off (`$JAXPAGED_FEW_ROW_KERNEL=0`)."""
-        return (not tensor_parallel and dtype == np.float32 and not batch_invariant
-                and envs.few_row_kernel_enabled() and FEW_ROW_MATMUL in self.kernels())
-
-    def use_lora_kernel(self, dtype, tensor_parallel: bool, batch_invariant: bool) -> bool:
-        """One device, float32 weights, not batch-invariant (as the few-row kernel), and the
-        C++ kernels built."""
-        return (not tensor_parallel and dtype == np.float32 and not batch_invariant
-                and LORA_MATMUL in self.kernels())
-
-    def use_moe_kernel(self, dtype, tensor_parallel: bool) -> bool:
-        """One device, float32 activations, the C++ kernels built. Batch-invariant mode keeps
-        it: the kernel computes each token's pairs one way whatever the step holds (the jnp
-        paths differ by step size)."""
-        return not tensor_parallel and dtype == np.float32 and MOE_EXPERTS in self.kernels()
+    def kernel_plan(self, dtype, tensor_parallel: bool, batch_invariant: bool,
+                    attention_backend: str = "auto") -> KernelPlan:
+        """The C++ kernels where they are built, on one device (`tensor_parallel` False):
+        the few-row matmul with float32 weights, not batch-invariant (a row must be computed
+        one way whatever the step's size), not turned off (`$JAXPAGED_FEW_ROW_KERNEL=0`); the
+        LoRA kernel likewise (float32, not batch-invariant); the MoE kernel with float32
+        activations, batch-invariant or not (it computes each token's pairs one way whatever
+        the step holds; the jnp paths differ by step size); the quantized matmul. The
+        attention backend as the base platform resolves it (see `Platform.kernel_plan`)."""
+        kernels = self.kernels() if not tensor_parallel else frozenset()
+        f32 = dtype == np.float32
+        return KernelPlan(
+            attention=self._attention_name(attention_backend, batch_invariant),
+            few_row_matmul=(f32 and not batch_invariant and envs.few_row_kernel_enabled()
+                            and FEW_ROW_MATMUL in kernels),
+            quantized_matmul=INT8_MATMUL in kernels,
+            moe_experts=f32 and MOE_EXPERTS in kernels,
+            lora_matmul=f32 and not batch_invariant and LORA_MATMUL in kernels)
 
     def batch_invariant_backend(self, attention_backend: str) -> str:
         """"cpu" (the C++ kernel in its invariant order) or "xla"; "auto" resolved.

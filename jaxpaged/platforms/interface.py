@@ -2,7 +2,7 @@
 
 One object per process (`jaxpaged.platforms.current_platform()`) answers every question that
 depends on the device: the default dtype, the attention backend "auto" means, which custom
-kernels exist, whether and how batch-invariant mode runs, and what enters the compilation
+kernels exist and which a model runs (`kernel_plan`), whether and how batch-invariant mode runs, and what enters the compilation
 cache's key. The rest of jaxpaged asks it instead of calling `jax.default_backend()`.
 """
 
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jaxlib
 
 from jaxpaged import envs
+from jaxpaged.pallas_kernels.plan import KernelPlan
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Kernel names `Platform.kernels` may list.
@@ -51,18 +52,26 @@ class Platform:
         `LORA_MATMUL`, `MOE_EXPERTS`)."""
         return frozenset()
 
-    def use_few_row_kernel(self, dtype, tensor_parallel: bool, batch_invariant: bool) -> bool:
-        """Whether the model's linear layers run steps of a few rows on the few-row kernel."""
-        return False
+    def kernel_plan(self, dtype, tensor_parallel: bool, batch_invariant: bool,
+                    attention_backend: str = "auto") -> KernelPlan:
+        """The kernels a model runs here (`pallas_kernels.plan.KernelPlan`), chosen once when
+        the engine is built and handed to the model: the attention backend
+        `attention_backend` resolves to (batch-invariant mode's where `batch_invariant`), and
+        no custom matmul, MoE or LoRA kernel (the base platform has none).
 
-    def use_lora_kernel(self, dtype, tensor_parallel: bool, batch_invariant: bool) -> bool:
-        """Whether the model's adapter slots run on the LoRA kernel (`models.lora.LoRA`)."""
-        return False
+        Args:
+          dtype: the weights' jnp dtype. tensor_parallel: the model is split over devices.
+          batch_invariant: `LLM(batch_invariant=True)`.
+          attention_backend: as given to the engine ("auto" resolved here).
 
-    def use_moe_kernel(self, dtype, tensor_parallel: bool) -> bool:
-        """Whether the model's Mixture-of-Experts layers run their experts on the MoE kernel
-        (`models.moe.SparseMoeBlock.moe_kernel`)."""
-        return False
+        Raises:
+          ValueError: batch invariance where the platform has none (`batch_invariant_backend`).
+        """
+        return KernelPlan(attention=self._attention_name(attention_backend, batch_invariant))
+
+    def _attention_name(self, attention_backend: str, batch_invariant: bool) -> str:
+        return (self.batch_invariant_backend(attention_backend) if batch_invariant
+                else self.attention_backend(attention_backend))
 
     # Batch invariance (`LLM(batch_invariant=True)`).
     def batch_invariant_backend(self, attention_backend: str) -> str:

@@ -17,16 +17,31 @@ The rejected proposals' KV slots are overwritten by later tokens, and blocks pas
 sequence's tokens go back to the block manager after the step (`BlockManager.trim`).
 
 Adding a proposer: one file with its class, one `register_proposer` line (`registry`).
+Proposers are registered by name and imported when an engine builds one, so importing this
+package (or `SpeculativeConfig`, which lives in `jaxpaged.config`) loads no draft model and
+no worker; the draft model's names below are imported on first use.
 """
 
-from jaxpaged.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+import importlib
+
+from jaxpaged.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 from jaxpaged.spec_decode.registry import (PROPOSERS, Proposer, ProposerContext, make_proposer,
-                                           register_proposer)
+                                           proposer_factory, register_proposer)
 from jaxpaged.spec_decode.ngram import NgramProposer, ngram_proposal
-from jaxpaged.spec_decode.draft_model import DraftModelProposer, build_draft_model_proposer
 from jaxpaged.spec_decode.proposals import num_proposals, set_proposals
+
+_LAZY = {"DraftModelProposer": "jaxpaged.spec_decode.draft_model",
+         "build_draft_model_proposer": "jaxpaged.spec_decode.draft_model"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'jaxpaged.spec_decode' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
 
 __all__ = ["DEFAULT_DISABLE_BY_BATCH_SIZE", "PROPOSERS", "DraftModelProposer", "NgramProposer",
            "Proposer", "ProposerContext", "SpeculativeConfig", "build_draft_model_proposer",
-           "make_proposer", "ngram_proposal", "num_proposals", "register_proposer",
+           "make_proposer", "ngram_proposal", "num_proposals", "proposer_factory",
+           "register_proposer",
            "set_proposals"]

@@ -12,7 +12,7 @@ from jaxpaged.core.sequence import Sequence
 from jaxpaged.model_loader.loader import load_model_from_dir
 from jaxpaged.model_loader.model_store import resolve_model
 from jaxpaged.models import load_config
-from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.config import SpeculativeConfig
 from jaxpaged.spec_decode.registry import ProposerContext
 from jaxpaged.worker.kv_cache import resolve_kv_cache_dtype
 from jaxpaged.worker.model_runner import ModelRunner

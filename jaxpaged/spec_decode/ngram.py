@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from jaxpaged.core.sequence import Sequence
-from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.config import SpeculativeConfig
 
 
 def ngram_proposal(token_ids: list[int] | np.ndarray, k: int, n_max: int, n_min: int

@@ -8,7 +8,7 @@ from collections.abc import Sequence as SequenceList
 
 from jaxpaged.core.host_needs import SPECULATION, free_of
 from jaxpaged.core.sequence import Sequence
-from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.config import SpeculativeConfig
 from jaxpaged.spec_decode.registry import Proposer
 
 logger = logging.getLogger(__name__)

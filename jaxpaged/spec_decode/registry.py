@@ -2,20 +2,22 @@
 
 Adding a proposer is one file with a class that has `propose` and `release` (and is built as
 `cls(config, context)`, or by a factory of that signature) and one line:
-`register_proposer("name", MyProposer)`; `speculative_config={"method": "name", ...}` then
-picks it. The engine verifies whatever a proposer proposes (`sample.rejection_sampler`), so a
+`register_proposer("name", MyProposer)`, or `register_proposer("name", "package.module:MyProposer")`
+to import it only when an engine builds it (as the built-in ones are, so that importing
+`jaxpaged.spec_decode` loads neither a draft model nor the worker);
+`speculative_config={"method": "name", ...}` then picks it. The engine verifies whatever a proposer proposes (`sample.rejection_sampler`), so a
 proposer changes how many tokens a step accepts, never which tokens come out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxpaged.core.sequence import Sequence
-from jaxpaged.spec_decode.config import SpeculativeConfig
 
 
 class Proposer(Protocol):
@@ -45,19 +47,39 @@ class ProposerContext:
 
 ProposerFactory = Callable[[SpeculativeConfig, ProposerContext], Proposer]
 
-# `SpeculativeConfig.method` -> the factory of its proposer.
-PROPOSERS: dict[str, ProposerFactory] = {}
+# `SpeculativeConfig.method` -> the factory of its proposer, or its "module:name" path,
+# imported on first use (`proposer_factory`).
+PROPOSERS: dict[str, ProposerFactory | str] = {
+    "ngram": "jaxpaged.spec_decode.ngram:NgramProposer",
+    "draft_model": "jaxpaged.spec_decode.draft_model:build_draft_model_proposer",
+}
 
 
-def register_proposer(method: str, factory: ProposerFactory) -> None:
-    """Makes `speculative_config={"method": method}` build its proposer with `factory`.
+def register_proposer(method: str, factory: ProposerFactory | str) -> None:
+    """Makes `speculative_config={"method": method}` build its proposer with `factory`: a
+    callable, or its "module:name" path, imported when an engine first builds it.
 
     Raises:
-      ValueError: `method` is registered already.
+      ValueError: `method` is registered already, or a path without its ":name".
     """
     if method in PROPOSERS:
         raise ValueError(f"speculative method {method!r} is registered already")
+    if isinstance(factory, str) and ":" not in factory:
+        raise ValueError(f"proposer path {factory!r} must be 'module:name'")
     PROPOSERS[method] = factory
+
+
+def proposer_factory(method: str) -> ProposerFactory:
+    """The factory registered for `method`, its module imported where it was given by path.
+
+    Raises:
+      KeyError: `method` is not registered.
+    """
+    factory = PROPOSERS[method]
+    if isinstance(factory, str):
+        module, _, name = factory.partition(":")
+        factory = PROPOSERS[method] = getattr(importlib.import_module(module), name)
+    return factory
 
 
 def make_proposer(config: SpeculativeConfig, context: ProposerContext) -> Proposer:
@@ -72,15 +94,4 @@ def make_proposer(config: SpeculativeConfig, context: ProposerContext) -> Propos
                          "with the sequence length (longrope)")
     if context.mesh is not None:
         raise ValueError("speculative_config: not supported with tensor_parallel_size > 1")
-    return PROPOSERS[config.method](config, context)
-
-
-def _register_builtins() -> None:
-    from jaxpaged.spec_decode.draft_model import build_draft_model_proposer
-    from jaxpaged.spec_decode.ngram import NgramProposer
-
-    register_proposer("ngram", NgramProposer)
-    register_proposer("draft_model", build_draft_model_proposer)
-
-
-_register_builtins()
+    return proposer_factory(config.method)(config, context)

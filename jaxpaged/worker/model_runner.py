@@ -55,13 +55,6 @@ logger = logging.getLogger(__name__)
 WARM_UP_TOKENS = 8  # `precompile` also runs each shape of at most this many tokens once
 
 
-def _uses_kernel(model: nnx.Module, flag: str) -> bool:
-    """Whether the engine turned a kernel on in `model` (a program apart): the few-row matmul
-    ("few_row_kernel", `models.layers`), the LoRA one ("lora_kernel", `models.lora.LoRA`) or
-    the MoE one ("moe_kernel", `models.moe.SparseMoeBlock`)."""
-    return any(getattr(node, flag, False) for _, node in nnx.iter_graph(model))
-
-
 class RunnerOutput(NamedTuple):
     """What a collected step returns to the engine."""
 
@@ -134,9 +127,7 @@ class ModelRunner:
             self.backend.name, repr(self.limits),
             repr(sorted((path, spec[:2]) for path, spec in self.param_specs.items())),
             f"invariant={getattr(self.backend, 'invariant', False)}",
-            f"few_row_kernel={_uses_kernel(model, 'few_row_kernel')}",
-            f"lora_kernel={_uses_kernel(model, 'lora_kernel')}",
-            f"moe_kernel={_uses_kernel(model, 'moe_kernel')}",
+            repr(model.config.kernels),  # `pallas_kernels.plan.KernelPlan`
             f"activations={activation_modes(model)}",
             repr(None if self.mesh is None else self.mesh.devices.tolist())),
             None if self.mesh is None else list(self.mesh.devices.flat))
