@@ -8,7 +8,12 @@ that complete it arrive.
 
 A fast tokenizer (a `tokenizers.Tokenizer` behind it) that does no clean-up of spaces runs the
 same algorithm in Rust instead (`tokenizers.decoders.DecodeStream`, which vLLM's fast
-detokenizer uses too): a token costs about a microsecond, not five.
+detokenizer uses too): a token costs about a microsecond, not five. A prompt whose text ends
+inside a multi-byte character keeps the Python algorithm (see `__init__`).
+
+The output's text is vLLM's: `decode(prompt + output)` from the length (in characters) of
+`decode(prompt)` on, so a character that the prompt starts and the output completes, which
+`decode(prompt)` shows as U+FFFD, is the prompt's.
 """
 
 from __future__ import annotations
@@ -29,8 +34,12 @@ class IncrementalDetokenizer:
         self.text = ""
         backend = getattr(tokenizer, "_tokenizer", None)
         self._stream = None
+        # A prompt that ends inside a character (its text ends in U+FFFD): the Rust stream,
+        # primed with such ids, emits the prompt's text again with the character's first
+        # delta, so such prompts take the Python window, whose prefix text holds the U+FFFD.
         if (isinstance(backend, tokenizers.Tokenizer)
-                and not getattr(tokenizer, "clean_up_tokenization_spaces", False)):
+                and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+                and not self._decode(self.token_ids).endswith("\ufffd")):
             self._backend = backend
             self._stream = DecodeStream(ids=self.token_ids,
                                         skip_special_tokens=skip_special_tokens)

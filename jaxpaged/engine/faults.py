@@ -5,8 +5,12 @@ caused it. `FaultIsolatingExecutor` runs such a step again one request at a time
 safe: a step writes the same K/V to the same pool slots (a copy-on-write copy applied again
 restores slots that the rerun then writes again), a seeded sample draws the same token however
 often it is drawn (`sampler._sample_key`), and blocks enter the prefix cache only after a step
-succeeds. A request whose run still raises on its own is failed; the others keep the results of
-their runs.
+succeeds. A request whose run still raises on its own is failed. The others then run the step
+again together, as the step would have run without the failed requests: a row's numbers depend
+on the rows beside it (the step's padded size, how the kernels split their work), so a seeded
+sample drawn from a lone run can differ from the one a step without the faulty request draws.
+Their K/V, written by their lone runs, is written again to the same slots by that run. Should
+that run raise (a fault that only their combination brings), they keep their lone runs' results.
 
 When every request of a step failed alone, the fault may not be theirs: the runner then probes
 the device with a step of padding alone (`ModelRunner.probe`). If that raises too, the fault
@@ -17,6 +21,7 @@ The other fatal faults are listed in `jaxpaged.errors`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -77,20 +82,13 @@ class FaultIsolatingExecutor:
                 raise EngineDeadError(f"copy-on-write copies failed: {describe(e)}") from e
         sampled, prompt_lps, failed = [[] for _ in out.seqs], {}, {}
         for request_id, rows in rows_of.items():
-            part = SchedulerOutput([out.seqs[r] for r in rows],
-                                   [out.num_scheduled_tokens[r] for r in rows], [],
-                                   spec_token_ids=[out.spec_tokens(r) for r in rows])
             try:
-                part_sampled, part_lps = self.runner.execute(part)
+                self._run_rows(out, rows, sampled, prompt_lps)
             except Exception as e:
                 self.check_pool(e)
                 logger.error("request %s failed in a step: %s", request_id, describe(e),
                              exc_info=e)
                 failed[request_id] = describe(e)
-                continue
-            for i, row in enumerate(rows):
-                sampled[row] = part_sampled[i]
-            prompt_lps.update({rows[i]: lps for i, lps in part_lps.items()})
         if len(failed) == len(rows_of):
             try:
                 self.runner.probe()
@@ -98,7 +96,33 @@ class FaultIsolatingExecutor:
                 self.check_pool(e)
                 raise EngineDeadError(f"the fault recurs on a step without any request: "
                                       f"{describe(e)}") from e
+        elif len(rows_of) - len(failed) > 1:  # the others together, as without the failed
+            kept = [row for request_id, rows in rows_of.items() if request_id not in failed
+                    for row in rows]
+            try:
+                self._run_rows(out, kept, sampled, prompt_lps)
+            except Exception as e:
+                self.check_pool(e)
+                logger.warning("the %d requests that ran alone raised %s together; they keep "
+                               "their lone runs' results", len(rows_of) - len(failed),
+                               describe(e), exc_info=e)
         return sampled, prompt_lps, failed
+
+    def _run_rows(self, out: SchedulerOutput, rows: list[int], sampled: list,
+                  prompt_lps: dict) -> None:
+        """Runs rows `rows` of step `out` as a step of their own (its copy-on-write copies
+        already applied; every other field of `out` kept: multi-step, rows leaving the input
+        batch) and stores their results at their rows of `sampled` and `prompt_lps`; raises
+        whatever the run raises, storing nothing then."""
+        part = dataclasses.replace(
+            out, seqs=[out.seqs[r] for r in rows],
+            num_scheduled_tokens=[out.num_scheduled_tokens[r] for r in rows], blocks_to_copy=[],
+            spec_token_ids=[out.spec_tokens(r) for r in rows])
+        part_sampled, part_lps = self.runner.execute(part)
+        for i, row in enumerate(rows):
+            sampled[row] = part_sampled[i]
+            prompt_lps.pop(row, None)
+        prompt_lps.update({rows[i]: lps for i, lps in part_lps.items()})
 
     def check_pool(self, fault: Exception) -> None:
         """A fault inside the compiled step, after the pool was donated, takes the pool with
