@@ -102,7 +102,7 @@ class AsyncScheduling:
         """Reads the step in flight, then runs `out` (scheduled while it was in flight) as the
         synchronous loop does, without the rows whose sequences finished meanwhile."""
         outputs = self._finish() if self.in_flight is not None else []
-        self.engine._check_alive()
+        self.engine.check_alive()
         rows = [row for row, s in enumerate(out.seqs) if s.status is SequenceStatus.RUNNING]
         if not rows:
             return outputs
@@ -126,7 +126,7 @@ class AsyncScheduling:
             return self._fail(done, fault), False
         now = time.time()
         update = book_draws(engine.scheduler, done.booking, sampled)
-        return engine.outputs(done.step.out, update, {}, now), True
+        return engine.book.outputs(done.step.out, update, {}, now), True
 
     def _fail(self, done: _InFlight, fault: Exception) -> list[RequestOutput]:
         """A step whose draws could not be read: fatal if the pool went with it, else its
@@ -145,4 +145,4 @@ class AsyncScheduling:
             seq.length_capped = False
         reason = describe(fault)
         failed = {seq.request_id: reason for seq in done.booking.seqs}
-        return engine.outputs(done.step.out, StepUpdate(0, []), failed, time.time())
+        return engine.book.outputs(done.step.out, StepUpdate(0, []), failed, time.time())

@@ -2,46 +2,30 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import logging
 import time
-from pathlib import Path
 
-import jax
 import numpy as np
 from flax import nnx
 
-from jaxpaged.worker import compilation_cache
-from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.config import EngineConfig
-from jaxpaged.errors import EngineDeadError, InvalidRequestError
-from jaxpaged.engine.async_scheduling import AsyncScheduling
-from jaxpaged.engine.faults import FaultIsolatingExecutor, describe
-from jaxpaged.engine.embedding import Embedder
-from jaxpaged.engine.output_processor import OutputProcessor
-from jaxpaged.engine.processor import RequestProcessor
-from jaxpaged.engine.setup import (build_runner, load_engine_model, make_backend,
-                                   max_spec_step_tokens, resolve_kernel_plan, size_pool,
-                                   size_pool_from_memory)
-from jaxpaged.engine.stats import engine_stats
-from jaxpaged.engine.weights import EngineWeights
-from jaxpaged.lora import LoRAManager, LoRARequest, check_lora_config, resolve_lora
-from jaxpaged.models.lora import lora_sites
-from jaxpaged.worker.kv_cache import resolve_kv_cache_dtype
-from jaxpaged.model_loader.model_store import resolve_model
-from jaxpaged.models import load_config
-from jaxpaged.models.quantization import check_quantization
-from jaxpaged.model_loader.tokenizer import eos_token_ids, load_tokenizer
-from jaxpaged.outputs import RequestOutput
-from jaxpaged.distributed.parallel import make_mesh
-from jaxpaged.engine.request import Request
-from jaxpaged.platforms import current_platform
-from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.spec_decode import (ProposerContext, make_proposer,
-                                  set_proposals)
+from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.sequence import Scoring, Sequence
+from jaxpaged.engine.async_scheduling import AsyncScheduling
+from jaxpaged.engine.embedding import Embedder
+from jaxpaged.engine.faults import FaultIsolatingExecutor, describe
+from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.processor import RequestProcessor
+from jaxpaged.engine.request_book import RequestBook
+from jaxpaged.engine.served_model import ServedModel
+from jaxpaged.engine.stats import engine_stats
+from jaxpaged.engine.weights import EngineWeights
+from jaxpaged.errors import EngineDeadError, InvalidRequestError
+from jaxpaged.lora import LoRAManager, LoRARequest, resolve_lora
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.spec_decode import ProposerContext, make_proposer, set_proposals
 
 logger = logging.getLogger(__name__)
 
@@ -57,64 +41,31 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         """`config`: the resolved options (`EngineArgs.create_engine_config`); the model is
         read from `config.model.model_dir` (when None, `config.model.model` resolved)."""
-        self.config = config
-        self.model_dir = model_dir = Path(config.model.model_dir
-                                          or resolve_model(config.model.model))
-        tensor_parallel_size = config.parallel.tensor_parallel_size
-        cache_dir = compilation_cache.resolve_cache_dir(config.execution.compilation_cache_dir)
-        self.speculative_config = config.speculative
-        self.scheduler_config = config.scheduler
-        # Tensor parallelism: the model and the pool split over a mesh (`distributed.parallel`).
-        self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
-        self.model_config = load_config(model_dir).for_tensor_parallel(
-            tensor_parallel_size, config.parallel.enable_expert_parallel)
-        self.dtype = current_platform().resolve_dtype(config.model.dtype)
-        self.config = config = resolve_kernel_plan(config, self.dtype)  # `config.modes.kernels`
+        served = self.served = ServedModel(config)
+        self.config = config = served.config  # with the kernel plan and the cache in force
+        self.runner, self.tokenizer = served.runner, served.tokenizer
+        # What the entry points, the server and the tests read of the model side.
+        self.model_dir = served.model_dir
+        self.model_config = served.model_config
+        self.model_cls = served.model_cls
+        self.mesh = served.mesh
+        self.dtype = served.dtype
+        self.kv_cache_dtype = served.kv_cache_dtype
+        self.eos_token_ids = served.eos_token_ids
+        self.attention_backend = served.backend.name
         self.quantization = config.quantization.method
-        check_quantization(self.quantization)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.batch_invariant = config.execution.batch_invariant
-        check_lora_config(config)
-        backend, precompile = make_backend(config.execution, self.kv_cache_dtype, self.mesh)
-        self.attention_backend = backend.name
-        # The devices the model and the pool go on: the mesh's, or the default one.
-        devices = (list(self.mesh.devices.flat) if self.mesh is not None
-                   else jax.local_devices()[:1])
-        cache_config, num_blocks = size_pool(
-            config.cache, self.model_config, self.kv_cache_dtype,
-            self.scheduler_config.max_model_len, devices,
-            sized_by_memory=getattr(self.speculative_config, "model", None) is None)
-        if cache_config is not config.cache:
-            self.config = dataclasses.replace(config, cache=cache_config)
-        self.cache_config = cache_config
-
-        # The tokenizer loads on a thread beside the weights and the executables: it is Python
-        # imports (transformers, and torch where it is installed: seconds) and file reads, they
-        # are mostly XLA and numpy, outside the GIL.
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(load_tokenizer, model_dir)
-            model = self._load_model(backend)
-            self.model_cls, sites = type(model), lora_sites(model)
-            if num_blocks is None:  # from the devices' memory, the weights loaded
-                num_blocks = size_pool_from_memory(model, cache_config, self.kv_cache_dtype,
-                                                   self.scheduler_config, devices)
-            self.runner = build_runner(
-                model, cache_config, num_blocks, self.kv_cache_dtype, self.scheduler_config,
-                cache_dir, self.batch_invariant, precompile,
-                max_spec_step_tokens(self.speculative_config, self.scheduler_config))
-            self.tokenizer = tokenizer.result()
+        self.cache_config = config.cache
+        self.scheduler_config = config.scheduler
+        self.speculative_config = config.speculative
         self.processor = RequestProcessor(self.tokenizer, self.model_config.vocab_size,
                                           self.scheduler_config, config.reasoning.parser,
                                           config.model.seed)
         self.input_processor = self.processor.input_processor  # tokenizing, chat templates
         self.think_token_ids = self.processor.think_token_ids  # (<think>, </think>) or None
-        self.eos_token_ids = eos_token_ids(model_dir, self.model_config.eos_token_ids,
-                                           self.tokenizer)
-        # The tokens min_tokens masks besides each request's stop_token_ids.
-        self.runner.input_batch.eos_token_ids = list(self.eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size,
-                                          cache_config.enable_prefix_caching)
-        self.lora = (LoRAManager(config.lora, self.runner, sites, self.model_cls,
+        self.block_manager = BlockManager(served.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.lora = (LoRAManager(config.lora, self.runner, served.lora_sites, self.model_cls,
                                  self.model_config) if config.lora.enable_lora else None)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager,
                                    padded_tokens=self.runner.step_tokens,
@@ -129,24 +80,18 @@ class LLMEngine:
             self.async_scheduling = AsyncScheduling(self)
         self.proposer = (None if self.speculative_config is None else make_proposer(
             self.speculative_config, ProposerContext(
-                self.model_config, self.dtype, backend, self.cache_config, num_blocks,
-                self.scheduler_config, cache_dir, self.mesh)))
-        self.requests: dict[str, Request] = {}
+                self.model_config, self.dtype, served.backend, self.cache_config,
+                served.num_blocks, self.scheduler_config, served.cache_dir, self.mesh)))
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        self.book = RequestBook(self.output_processor, self.scheduler, self.proposer,
+                                forks_unlisted=self.async_scheduling is not None)
+        self.requests = self.book.requests  # by request id, until each has finished
         self.weights = EngineWeights(self.runner, self.block_manager,
-                                     lambda: self._load_model(self.runner.backend),
+                                     lambda: served.load_model(self.runner.backend),
                                      self.model_cls, self.model_config, self.dtype,
                                      self.quantization, self.lora and self.lora.restore_slots)
         self.embedder = Embedder(self.runner.graphdef, self.model_config.hidden_size)
         self.dead: EngineDeadError | None = None  # set by a fatal fault: no step runs after it
-        self.num_failed_requests = 0  # requests failed by a fault in a step
-        self.num_prompt_tokens = 0  # prompt tokens computed (recomputes included)
-
-    def _load_model(self, backend) -> nnx.Module:
-        """`setup.load_engine_model` with this engine's options."""
-        return load_engine_model(self.model_dir, self.model_config, self.dtype, backend,
-                                 self.mesh, self.quantization, self.batch_invariant,
-                                 self.config.lora, kernels=self.config.modes.kernels)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -169,7 +114,7 @@ class LLMEngine:
           RuntimeError: the engine is asleep.
           EngineDeadError: a fatal fault stopped the engine.
         """
-        self._check_alive()
+        self.check_alive()
         self.processor.check_priority(priority)
         self.weights.check_awake()
         lora = resolve_lora(self.lora, lora_request)
@@ -207,25 +152,12 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Drops a request and frees its blocks; unknown ids are ignored."""
-        request = self.requests.pop(request_id, None)
-        for seq in self._all_seqs(request) if request else []:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-
-    def _all_seqs(self, request: Request) -> list[Sequence]:
-        """`request.seqs`, and under async scheduling the completions a launched step forked
-        from its prompt that no output has listed yet (`core.async_booking`)."""
-        if self.async_scheduling is None:
-            return request.seqs
-        listed = {seq.seq_id for seq in request.seqs}
-        return request.seqs + [
-            seq for seq in (*self.scheduler.running, *self.scheduler.waiting)
-            if seq.request_id == request.request_id and seq.seq_id not in listed]
+        self.book.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         """Raises `EngineDeadError` once a fatal fault has stopped the engine."""
         if self.dead is not None:
             raise EngineDeadError(str(self.dead)) from self.dead
@@ -245,7 +177,7 @@ class LLMEngine:
         Raises:
           EngineDeadError: a fatal fault (see `jaxpaged.errors`); the engine is unusable.
         """
-        self._check_alive()
+        self.check_alive()
         if self.async_scheduling is not None:
             return self.async_scheduling.step()
         out = self.schedule()
@@ -284,57 +216,8 @@ class LLMEngine:
             raise
         now = time.time()
         update = self.scheduler.update_from_output(out, sampled, set(failed))
-        for row, lps in prompt_lps.items():
-            request = self.requests[out.seqs[row].request_id]
-            if request.request_id not in failed and request.prompt_logprobs is None:
-                request.prompt_logprobs = self.output_processor.prompt_logprob_dicts(
-                    request, lps)
-        return self.outputs(out, update, failed, now)
-
-    def outputs(self, out, update, failed: dict[str, str], now: float) -> list[RequestOutput]:
-        """The host side of booked step `out` (`StepUpdate` `update`): each appended token's
-        text, logprobs and stop strings, the requests of `failed` ({request id: reason})
-        failed, and the outputs of the requests it advanced (`step`)."""
-        self.num_prompt_tokens += update.num_prompt_tokens
-        touched = {}
-        for row, appended in update.appended:
-            request = self.requests.get(out.seqs[row].request_id)
-            if request is None:  # aborted while its step ran (async scheduling)
-                continue
-            try:
-                self.output_processor.advance(request, appended, now)
-                touched[request.request_id] = request
-            except Exception as e:  # in detokenizing or stop checks: this request's own fault
-                logger.exception("request %s failed after its step", request.request_id)
-                failed[request.request_id] = describe(e)
-        for request_id, reason in failed.items():
-            if request_id in self.requests:
-                touched[request_id] = self._fail(self.requests[request_id], reason)
-                self.num_failed_requests += 1
-        if self.proposer is not None:  # the draft's state of sequences that finished goes
-            self.proposer.release(self.scheduler.running)
-        outputs = []
-        for request_id, request in touched.items():
-            finished = request.finished
-            if finished:
-                request.metrics.finished_time = time.time()
-            output = request.output()
-            if output is not None:
-                outputs.append(output)
-            if finished:
-                del self.requests[request_id]
-        return outputs
-
-    # -- faults -----------------------------------------------------------------------------
-
-    def _fail(self, request: Request, reason: str) -> Request:
-        """Ends every sequence of `request` with finish reason "error" and frees its blocks."""
-        request.error = reason
-        for seq in self._all_seqs(request):
-            seq.num_forks = 0
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "error")
-        return request
+        self.book.add_prompt_logprobs(out, prompt_lps, failed)
+        return self.book.outputs(out, update, failed, now)
 
     # -- what other owners do, reached through the engine -------------------------------------
 
@@ -377,7 +260,7 @@ class LLMEngine:
 
     def update_params(self, params) -> None:
         """`EngineWeights.update_params`."""
-        self._check_alive()
+        self.check_alive()
         self.weights.update_params(params)
 
     def load_weights(self, weights) -> None:
