@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 # Prompt tokens a sequence computes at most in a step that also decodes. A step's time grows
 # with the tokens it computes, so this keeps a mixed step within a small multiple of a decode
-# step at the batch sizes served (README, "Latency under load", has the measurements).
+# step at the batch sizes served (docs/scheduling.md, "Latency under load", has the measurements).
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 128
 
 
@@ -221,8 +221,8 @@ class SpeculativeConfig:
       file or an embedded model's name), with the target's vocabulary.
     disable_by_batch_size: no proposals in a step in which more sequences decode than this
       (None: never off); the default, `DEFAULT_DISABLE_BY_BATCH_SIZE`, is where verification
-      stopped paying on this project's CPU (`bench/speculative.py`; README, "Speculative
-      decoding").
+      stopped paying on this project's CPU (`bench/speculative.py`;
+      docs/speculative_decoding.md).
     """
 
     method: str = "ngram"

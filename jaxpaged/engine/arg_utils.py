@@ -200,8 +200,8 @@ class EngineArgs:
 
     # `num_scheduler_steps` when not given, by how the engine is used (`create_engine_config`'s
     # `usage_context`): offline (`LLM`, run-batch, generate, chat) every request is known, so
-    # decode steps run 8 a call (the host's work per token divided by as many; README, "Several
-    # decode steps a call"); a server's new request would wait for such a call.
+    # decode steps run 8 a call (the host's work per token divided by as many; docs/scheduling.md,
+    # "Several decode steps a call"); a server's new request would wait for such a call.
     DEFAULT_SCHEDULER_STEPS: typing.ClassVar[dict[str, int]] = {"serve": 1, "offline": 8}
 
     def __post_init__(self):
