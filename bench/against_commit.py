@@ -14,7 +14,8 @@ timed (startup and compiles are not). By default the workload first runs once un
 (`--no-warmup` to skip it): on CPU an executable's first run costs 0.1-0.5 s more than later
 ones, and a warm start of this checkout loads its cached executables when a step first needs
 them (about 0.2 s each), which older commits did at startup. Output tokens per second per run,
-the best and the median of each side and their ratios go to bench/results/against-<commit>.json.
+the best and the median of each side and their ratios go to bench/results/against-<commit>.json,
+with each run's batch-1 TPOT at the default steps per call (`--no-tpot` to skip it).
 """
 
 from __future__ import annotations
@@ -55,8 +56,30 @@ def child(args) -> None:
     elapsed = time.perf_counter() - start
     num_output = sum(len(o.outputs[0].token_ids) for o in outs)
     assert num_output == sum(r["output_len"] for r in requests)
-    print(json.dumps({"jaxpaged": str(Path(jaxpaged.__file__).parent), "elapsed_s": elapsed,
-                      "output_tokens_per_s": num_output / elapsed}))
+    result = {"jaxpaged": str(Path(jaxpaged.__file__).parent), "elapsed_s": elapsed,
+              "output_tokens_per_s": num_output / elapsed}
+    if args.tpot:
+        result["tpot_batch1_s"] = tpot_batch1(llm, requests[0]["prompt_token_ids"])
+    print(json.dumps(result))
+
+
+def tpot_batch1(llm, ids: list[int], tokens: int = 128, repeats: int = 3) -> float:
+    """Batch-1 TPOT in seconds at the engine's default steps per call: (time of a
+    (tokens + 1)-token completion - time of a 1-token one) / tokens, each the median of
+    `repeats`, the request alone, greedy, EOS ignored."""
+    from jaxpaged import SamplingParams
+
+    def timed(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    timed(2)  # warm
+    return (timed(tokens + 1) - timed(1)) / tokens
 
 
 def install(commit: str, into: Path) -> str:
@@ -80,7 +103,7 @@ def run_side(target: Path, args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(target))
     cmd = [sys.executable, __file__, "--child", "--requests", str(args.requests),
            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-           "--warmup" if args.warmup else "--no-warmup"]
+           "--warmup" if args.warmup else "--no-warmup", "--tpot" if args.tpot else "--no-tpot"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
@@ -100,6 +123,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run the workload once untimed first")
+    p.add_argument("--tpot", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time batch-1 TPOT in each run (`tpot_batch1`)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -115,7 +140,8 @@ def main(argv=None) -> dict:
             for name, side in sides.items():
                 run = run_side(side["target"], args)
                 side["runs"].append(run)
-                print(f"round {round_ + 1} {name}: {run['output_tokens_per_s']:.1f} output tok/s",
+                print(f"round {round_ + 1} {name}: {run['output_tokens_per_s']:.1f} output tok/s"
+                      + (f", TPOT {1e3 * run['tpot_batch1_s']:.2f} ms" if args.tpot else ""),
                       flush=True)
     results = {name: {"commit": side["commit"],
                       "output_tokens_per_s": [r["output_tokens_per_s"] for r in side["runs"]],
@@ -123,13 +149,19 @@ def main(argv=None) -> dict:
                                                       for r in side["runs"])}
                for name, side in sides.items()}
     old, new = results[args.commit], results[args.against]
-    for side in results.values():
+    for name, side in results.items():
         side["median_output_tokens_per_s"] = statistics.median(side["output_tokens_per_s"])
+        if args.tpot:
+            side["tpot_batch1_s"] = [r["tpot_batch1_s"] for r in sides[name]["runs"]]
+            side["median_tpot_batch1_s"] = statistics.median(side["tpot_batch1_s"])
     report = {"config": portable_config(args),
               "results": results,
               "ratio_best": new["best_output_tokens_per_s"] / old["best_output_tokens_per_s"],
               "ratio_median": (new["median_output_tokens_per_s"]
                                / old["median_output_tokens_per_s"])}
+    if args.tpot:  # > 1: the newer side's tokens come faster
+        report["tpot_ratio_median (old / new)"] = (old["median_tpot_batch1_s"]
+                                                   / new["median_tpot_batch1_s"])
     out = args.out or REPO / "bench" / "results" / f"against-{args.commit}.json"
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{args.against} / {args.commit}: {report['ratio_best']:.3f} best, "
