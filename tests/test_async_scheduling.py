@@ -8,10 +8,10 @@ all free after each engine (`make_llm`'s leak check)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams
+from output_utils import assert_same_outputs
 
 PROMPTS = [{"prompt_token_ids": ids} for ids in (
     [5, 6, 7, 8, 9, 10], list(range(3, 43)), [42] * 9, [7, 8, 9], list(range(100, 170)),
@@ -40,28 +40,12 @@ def _generate(make_llm, model_dir, params, asynchronous, prompts=PROMPTS, **kwar
 _past_length = []  # rows that computed a token past their sequence's max_tokens / max_model_len
 
 
-def _assert_same(outs, ref):
-    for o, r in zip(outs, ref):
-        assert len(o.outputs) == len(r.outputs)
-        for c, rc in zip(o.outputs, r.outputs):
-            assert c.token_ids == rc.token_ids
-            assert (c.finish_reason, c.stop_reason, c.text) == (rc.finish_reason,
-                                                                rc.stop_reason, rc.text)
-            np.testing.assert_allclose(c.cumulative_logprob, rc.cumulative_logprob, atol=1e-4)
-            assert (c.logprobs is None) == (rc.logprobs is None)
-            for a, b in zip(c.logprobs or [], rc.logprobs or []):
-                assert a.keys() == b.keys()
-                np.testing.assert_allclose([x.logprob for x in a.values()],
-                                           [x.logprob for x in b.values()], atol=1e-4)
-        assert o.prompt_logprobs is None or len(o.prompt_logprobs) == len(r.prompt_logprobs)
-
-
 def _compare(make_llm, model_dir, params, prompts=PROMPTS, **options):
     ref, overlapped = _generate(make_llm, model_dir, params, False, prompts, **options)
     assert overlapped == 0
     _past_length.clear()
     outs, overlapped = _generate(make_llm, model_dir, params, True, prompts, **options)
-    _assert_same(outs, ref)
+    assert_same_outputs(outs, ref)
     assert not _past_length
     return outs, overlapped
 
@@ -209,7 +193,7 @@ def test_multi_step_calls_beside_async_steps(make_llm, tiny_model_dir):
     ref, _ = _generate(make_llm, tiny_model_dir, GREEDY, False, max_num_seqs=2)
     llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=4, max_num_seqs=2)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    _assert_same(outs, ref)
+    assert_same_outputs(outs, ref)
     runner = llm.llm_engine.runner
     assert runner.num_multi_step_executables > 0
     assert llm.llm_engine.async_scheduling.num_overlapped_steps > 0

@@ -7,7 +7,6 @@ gives back those a stopped sequence leaves. KV blocks are all free after each en
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams
@@ -16,6 +15,7 @@ from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.sample.sampler import SampledToken
+from output_utils import assert_same_outputs
 
 K = 4
 PROMPTS = [{"prompt_token_ids": ids} for ids in (
@@ -30,16 +30,6 @@ def _generate(make_llm, model_dir, params, k, **kwargs):
     outs = llm.generate(PROMPTS[:len(params)], params, use_tqdm=False)
     runner = llm.llm_engine.runner
     return outs, runner.num_multi_step_executables > 0
-
-
-def _assert_same(outs, ref):
-    for o, r in zip(outs, ref):
-        assert len(o.outputs) == len(r.outputs)
-        for c, rc in zip(o.outputs, r.outputs):
-            assert c.token_ids == rc.token_ids
-            assert (c.finish_reason, c.stop_reason, c.text) == (rc.finish_reason,
-                                                                rc.stop_reason, rc.text)
-            np.testing.assert_allclose(c.cumulative_logprob, rc.cumulative_logprob, atol=1e-4)
 
 
 @pytest.mark.parametrize("options", [
@@ -58,7 +48,7 @@ def test_multi_step_gives_the_outputs_of_single_steps(make_llm, tiny_model_dir, 
     assert not ran
     outs, ran = _generate(make_llm, tiny_model_dir, params, K, **options)
     assert ran
-    _assert_same(outs, ref)
+    assert_same_outputs(outs, ref)
     if "num_kv_blocks" in options:
         assert make_llm.built[-1].llm_engine.scheduler.num_preemptions > 0
 
@@ -82,7 +72,7 @@ def test_multi_step_stops_where_single_steps_stop(make_llm, tiny_model_dir):
     ref, _ = _generate(make_llm, tiny_model_dir, params, 1, max_num_seqs=8)
     outs, ran = _generate(make_llm, tiny_model_dir, params, K, max_num_seqs=8)
     assert ran
-    _assert_same(outs, ref)
+    assert_same_outputs(outs, ref)
     assert any(o.outputs[0].finish_reason == "stop" for o in ref)
 
 
@@ -94,7 +84,7 @@ def test_multi_step_decodes_forked_completions(make_llm, tiny_model_dir):
     ref, _ = _generate(make_llm, tiny_model_dir, params, 1, max_num_seqs=8)
     outs, ran = _generate(make_llm, tiny_model_dir, params, K, max_num_seqs=8)
     assert ran
-    _assert_same(outs, ref)
+    assert_same_outputs(outs, ref)
 
 
 def test_requests_that_sample_run_single_steps_beside_greedy_ones(make_llm, tiny_model_dir):
@@ -108,7 +98,7 @@ def test_requests_that_sample_run_single_steps_beside_greedy_ones(make_llm, tiny
         params = [p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
         ref, _ = _generate(make_llm, tiny_model_dir, params, 1, max_num_seqs=8)
         outs, ran = _generate(make_llm, tiny_model_dir, params, K, max_num_seqs=8)
-        _assert_same(outs, ref)
+        assert_same_outputs(outs, ref)
         assert outs[1].outputs[0].logprobs == ref[1].outputs[0].logprobs
         # The greedy request runs on for 6 tokens after the other finishes: multi-step then.
         assert ran

@@ -7,10 +7,10 @@ text). Each mode's own mechanism is asserted to have run, and every block is fre
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
+from output_utils import assert_same_outputs
 
 PROMPTS = [{"prompt_token_ids": ids} for ids in (
     [5, 6, 7, 8, 9, 10], list(range(3, 43)), [42] * 9 + [43, 44] * 6, [7, 8, 9],
@@ -67,34 +67,19 @@ def reference(tiny_model_dir):
     return params, outs, plain
 
 
-def _assert_same(outs, ref):
-    for o, r in zip(outs, ref):
-        assert len(o.outputs) == len(r.outputs)
-        for c, rc in zip(o.outputs, r.outputs):
-            assert c.token_ids == rc.token_ids
-            assert (c.finish_reason, c.stop_reason, c.text) == (rc.finish_reason,
-                                                                rc.stop_reason, rc.text)
-            np.testing.assert_allclose(c.cumulative_logprob, rc.cumulative_logprob, atol=1e-4)
-            assert (c.logprobs is None) == (rc.logprobs is None)
-            for a, b in zip(c.logprobs or [], rc.logprobs or []):
-                assert a.keys() == b.keys()
-                np.testing.assert_allclose([x.logprob for x in a.values()],
-                                           [x.logprob for x in b.values()], atol=1e-4)
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_every_step_mode_gives_the_synchronous_outputs(tiny_model_dir, reference, mode):
     params, ref, ref_plain = reference
     llm = LLM(tiny_model_dir, **OPTIONS, **MODES[mode])
     engine = llm.llm_engine
     outs = _run(llm, params)
-    _assert_same(outs, ref)
+    assert_same_outputs(outs, ref)
     if mode == "async":
         assert engine.async_scheduling.num_overlapped_steps > 0
         return
     # Plain greedy rows alone: they decode k steps a call, or verify proposals, once nothing
     # waits.
-    _assert_same(_run(llm, _workload()), ref_plain)
+    assert_same_outputs(_run(llm, _workload()), ref_plain)
     if mode == "k-step":
         assert engine.runner.num_multi_step_executables > 0
     else:
