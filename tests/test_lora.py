@@ -129,5 +129,3 @@ def test_completion_logprobs_and_beam_search_under_an_adapter(tiny_model_dir, ll
     model.unload()
     assert best.tokens == out.sequences[0].tolist()
     assert abs(best.score - float(out.sequences_scores[0])) < 1e-4
-
-
