@@ -80,9 +80,10 @@ BIG_PROMPT = "hello world, " * 160_000  # 2 MB, about 480,000 tokens
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    """The tiny model served as `RELIABILITY_MODEL` (max_num_seqs 8, 128 KV blocks)."""
+    """The tiny model served as `RELIABILITY_MODEL` (max_num_seqs 8), with the limits of
+    conftest's `tiny_llm`: the two engines share their compiled executables."""
     llm = LLM(tiny_model_dir, precompile=False,
-              max_model_len=256, num_kv_blocks=128, max_num_seqs=8)
+              max_model_len=256, num_kv_blocks=256, max_num_seqs=8)
     with ServerThread(llm, RELIABILITY_MODEL) as server:
         yield server
 
