@@ -81,30 +81,47 @@ def test_adapters_on_an_int8_base_equal_peft_on_its_dequantized_weights(
     check_against(dequantized, folders, results)
 
 
-@pytest.mark.parametrize("tp", [2, 4])  # 4 devices: each KV head on two of them
-def test_adapters_under_tensor_parallelism_equal_peft(tiny_model_dir, llama_adapters, tp):
+TP_SIZES = (2, 4)  # 4 devices: each KV head on two of them
+
+
+@pytest.fixture(scope="module")
+def tp_results(tiny_model_dir, llama_adapters):
+    """`mixed`'s results of an engine under each of `TP_SIZES`, all run in one fresh process of
+    4 CPU devices (jax reads the device count once): {tp: results}."""
     import os
     import subprocess
     import sys
 
-    base, folders = llama_adapters
+    _, folders = llama_adapters
     script = f"""
 import json, os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={tp}"
-from jaxpaged import LLM, LoRARequest, SamplingParams
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={max(TP_SIZES)}"
+from jaxpaged import LLM
 import lora_utils
-llm = LLM({str(tiny_model_dir)!r}, tensor_parallel_size={tp}, enable_lora=True, max_loras=3,
-          max_model_len=256, num_kv_blocks=64, precompile=False)
 folders = {{k: v for k, v in {({k: str(v) for k, v in folders.items()})!r}.items()}}
-print("RESULT", json.dumps(lora_utils.mixed(llm, folders)))
+for tp in {TP_SIZES!r}:
+    llm = LLM({str(tiny_model_dir)!r}, tensor_parallel_size=tp, enable_lora=True, max_loras=3,
+              max_model_len=256, num_kv_blocks=64, precompile=False)
+    print("RESULT", tp, json.dumps(lora_utils.mixed(llm, folders)), flush=True)
+    del llm
 """
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=env, cwd=os.path.dirname(__file__), timeout=600)
-    line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line is not None, res.stdout[-2000:] + res.stderr[-4000:]
-    check_against(base, folders, json.loads(line.removeprefix("RESULT ")))
+    results = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("RESULT "):
+            tp, found = line.removeprefix("RESULT ").split(" ", 1)
+            results[int(tp)] = json.loads(found)
+    assert sorted(results) == list(TP_SIZES), res.stdout[-2000:] + res.stderr[-4000:]
+    return results
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_adapters_under_tensor_parallelism_equal_peft(llama_adapters, tp_results, tp):
+    base, folders = llama_adapters
+    check_against(base, folders, tp_results[tp])
 
 
 def test_completion_logprobs_and_beam_search_under_an_adapter(tiny_model_dir, llama_adapters,
