@@ -70,6 +70,7 @@ def tiny_model(folder: Path) -> Path:
 def throughput(model: str, args) -> dict:
     """jaxpaged and transformers' continuous batching on `model`'s folder: output tok/s."""
     import throughput as tp
+    import throughput_backends as backends
     from transformers import AutoTokenizer
 
     from jaxpaged.model_loader.model_store import resolve_model
@@ -86,10 +87,10 @@ def throughput(model: str, args) -> dict:
     requests = tp.make_requests(ns, AutoTokenizer.from_pretrained(folder), 1000)
     out = {"num_prompts": len(requests),
            "num_output_tokens": sum(r["output_len"] for r in requests)}
-    runs = {"jaxpaged": tp.run_jaxpaged(requests, ns)[""],  # 8 decode steps a call
-            "jaxpaged-async": tp.run_jaxpaged(requests, argparse.Namespace(
+    runs = {"jaxpaged": backends.run_jaxpaged(requests, ns)[""],  # 8 decode steps a call
+            "jaxpaged-async": backends.run_jaxpaged(requests, argparse.Namespace(
                 **base, num_scheduler_steps=1, async_scheduling=True))[""],
-            "hf-cb": tp.run_hf_cb(requests, ns)}
+            "hf-cb": backends.run_hf_cb(requests, ns)}
     for name, r in runs.items():
         out[name] = {"elapsed_s": r["elapsed_s"],
                      "output_tokens_per_s": out["num_output_tokens"] / r["elapsed_s"],

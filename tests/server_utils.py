@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
 
 from jaxpaged import LLM
@@ -69,3 +70,43 @@ def healthy(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+# -- the server of the reliability tests (test_server_reliability.py, test_server_fuzz.py) -----
+
+RELIABILITY_MODEL = "tiny"  # its served model name
+BIG_PROMPT = "hello world, " * 160_000  # 2 MB, about 480,000 tokens
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    """The tiny model served as `RELIABILITY_MODEL` (max_num_seqs 8), with the limits of
+    conftest's `tiny_llm`: the two engines share their compiled executables."""
+    llm = LLM(tiny_model_dir, precompile=False,
+              max_model_len=256, num_kv_blocks=256, max_num_seqs=8)
+    with ServerThread(llm, RELIABILITY_MODEL) as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def idle_after(request):
+    """After each test that used `server`: nothing running or waiting, every block free,
+    /health 200."""
+    yield
+    if "server" in request.fixturenames:
+        server = request.getfixturevalue("server")
+        wait_idle(server)
+        assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def wait_idle(server: ServerThread, timeout: float = 10.0) -> None:
+    """Waits until `server`'s engine has nothing running or waiting and every block free;
+    fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = server.stats()
+        if (s["num_requests_running"] == s["num_requests_waiting"] == 0
+                and s["num_kv_blocks_free"] == s["num_kv_blocks_total"]):
+            return
+        assert time.monotonic() < deadline, f"engine not idle after {timeout} s: {s}"
+        time.sleep(0.02)

@@ -4,9 +4,12 @@ sliding window, through one-shot prefill, chunked prefill, prefix-cache hits, pr
 batching with other prompts, on the cpu, xla and pallas-interpret backends; last-token logits
 within 1e-4 of the HF model's, and the dense forward's (no pool) at every position.
 
-The interpreted Pallas kernels (15 s a run) see the families whose attention differs: windows,
-soft caps, head sizes, mixed layer types. Phi-3's own parts (partial rotary, longrope) act
-before attention, where every backend runs the same code, and are checked on cpu and xla."""
+The xla backend and the interpreted Pallas kernels (15 s a run) see the families whose attention
+differs: windows, soft caps, head sizes, mixed layer types, a scale of its own (Gemma's). The
+others' own parts (Phi-3's partial rotary and longrope, the experts, q/k norms and clamps,
+Granite's multipliers) act before or after attention, where every backend runs the same code
+(Granite's attention multiplier is the scale, as Gemma's), and are checked on the cpu backend
+(xla where the C++ kernel cannot be built)."""
 
 import shutil
 
@@ -110,16 +113,22 @@ def family(request, tmp_path_factory, tiny_model_dir):
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "xla", "pallas-interpret"])
-def test_one_shot_prefill(make_llm, family, backend):
-    # Every prompt in one step (a 2,048-token budget, a roomy pool, no prefix shared first).
+def _skip_backend(name, backend):
+    """Skips the backends a family is not run on (see the module docstring)."""
     from jaxpaged.pallas_kernels import cpu_attention
 
     if backend == "cpu" and not cpu_attention.available():
         pytest.skip("no C++ compiler")
+    if name in SAME_ATTENTION_AS_LLAMA and backend != (
+            "cpu" if cpu_attention.available() else "xla"):
+        pytest.skip("attention as llama's: checked on one backend")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla", "pallas-interpret"])
+def test_one_shot_prefill(make_llm, family, backend):
+    # Every prompt in one step (a 2,048-token budget, a roomy pool, no prefix shared first).
     name, path, _, ids, want = family
-    if backend == "pallas-interpret" and name in SAME_ATTENTION_AS_LLAMA:
-        pytest.skip("attention as llama's: checked on cpu and xla")
+    _skip_backend(name, backend)
     llm = make_llm(path, max_model_len=128, enable_prefix_caching=False,
                    attention_backend=backend)
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
@@ -167,13 +176,8 @@ def test_chunked_cached_preempted_batched(make_llm, family, backend):
     # A 24-token budget chunks the longer prompts; the last prompt finds the one before's
     # blocks in the prefix cache; 14 blocks of 8 tokens cannot hold all five sequences, so
     # some are preempted and recomputed.
-    from jaxpaged.pallas_kernels import cpu_attention
-
-    if backend == "cpu" and not cpu_attention.available():
-        pytest.skip("no C++ compiler")
     name, path, _, ids, want = family
-    if backend == "pallas-interpret" and name in SAME_ATTENTION_AS_LLAMA:
-        pytest.skip("attention as llama's: checked on cpu and xla")
+    _skip_backend(name, backend)
     llm = make_llm(path, max_model_len=64, block_size=8, num_kv_blocks=14,
                    max_num_batched_tokens=24, attention_backend=backend)
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)

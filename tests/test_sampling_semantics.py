@@ -179,7 +179,7 @@ def test_prompt_logprobs_equal_hf_log_softmax(model, make_llm, tiny_model_dir,
 def test_streamed_partial_texts_of_emoji_and_cjk_output(make_llm, default_model_dir):
     """The default model answers these with Japanese and emoji: partial texts are prefixes of
     the final text and never show U+FFFD for a character split across tokens."""
-    llm = make_llm(default_model_dir, max_model_len=512)
+    llm = make_llm(default_model_dir)  # the other tests' limits: their executables again
     engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
     questions = {"cjk": "How do you say hello in Japanese and in Chinese? Answer with the words "
                         "and a smiley emoji.",

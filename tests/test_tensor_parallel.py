@@ -42,6 +42,13 @@ MODELS = {  # name -> (transformers class names, config overrides)
     "mixtral-kv2": ("MixtralConfig", "MixtralForCausalLM",
                     dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)),
 }
+# The tensor-parallel sizes each model runs at (and at 1, the reference): each split once. One
+# KV head repeated to every device (kv1, 8); 2 heads split (kv2, 2) and repeated twice and four
+# times (kv2, 4 and 8; the same with q/k/v biases: qwen2, 2 and 4); 8 heads four and one per
+# device (kv8, 2 and 8); the experts' hidden units in halves and eighths (mixtral, 2 and 8).
+TP_SIZES = {"llama-kv1": (8,), "llama-kv2": (2, 4, 8), "llama-kv8": (2, 8),
+            "qwen2-kv2": (2, 4), "mixtral-kv2": (2, 8)}
+EXPERT_PARALLEL_SIZES = (2, 8)  # four experts a device, and one
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +91,12 @@ def orbax_model(tp_models, tmp_path_factory) -> Path:
 def tp_results(tp_models, orbax_model, tmp_path_factory) -> dict:
     # On an empty compilation cache: the orbax run loads the executables the TP 4 run of the
     # same model wrote, each onto its mesh's 4 devices of the 8.
-    runs = [[str(d), tp] for d in tp_models.values() for tp in (1, 2, 4, 8)]
+    runs = [[str(tp_models[name]), tp] for name, sizes in TP_SIZES.items()
+            for tp in (1, *sizes)]
     runs += [[str(tp_models["llama-kv2"]), tp, kv] for kv in ("int8", "fp8") for tp in (1, 4)]
     updates = [[str(tp_models["llama-kv2"]), 4], [str(tp_models["qwen2-kv2"]), 2]]
     multi_step = [[str(tp_models["llama-kv2"]), 4], [str(tp_models["qwen2-kv2"]), 2]]
-    expert_parallel = [[str(tp_models["mixtral-kv2"]), tp] for tp in (2, 4, 8)]
+    expert_parallel = [[str(tp_models["mixtral-kv2"]), tp] for tp in EXPERT_PARALLEL_SIZES]
     return run_worker({"runs": runs + [[str(orbax_model), 4]],
                        "hlo": str(tp_models["llama-kv2"]), "shards": str(orbax_model),
                        "updates": updates, "multi_step": multi_step,
@@ -97,15 +105,15 @@ def tp_results(tp_models, orbax_model, tmp_path_factory) -> dict:
                       cache_dir=tmp_path_factory.mktemp("tp-compile-cache"))
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("model, tp", [(name, tp) for name, sizes in TP_SIZES.items()
+                                       for tp in sizes])
 def test_greedy_ids_equal_one_device(tp_results, model, tp):
     ids = tp_results["ids"]
     assert ids[f"{model}/{tp}"] == ids[f"{model}/1"]
     assert all(len(x) == 8 for x in ids[f"{model}/1"])
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("tp", EXPERT_PARALLEL_SIZES)
 def test_expert_parallel_equals_one_device(tp_results, tp):
     """`enable_expert_parallel`: each device holds 8 / tp whole experts (layer 0's shards
     [8 / tp, D, 2F]), runs its experts' pairs, and one all-reduce sums them: the greedy ids of
