@@ -55,16 +55,13 @@ SEEDED = [SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=i, max_token
                          ignore_eos=True) for i, m in enumerate(MAX_TOKENS)]
 
 
+# Batching, a queue with chunked prefill and preemption, greedy and seeded, are
+# tests/test_step_modes.py's async case; here the pool's own length limit.
 @pytest.mark.parametrize("options", [
-    dict(max_num_seqs=8),
-    # a queue (2 seats) and prompts chunked over several steps
-    dict(max_num_seqs=2, max_num_batched_tokens=16, long_prefill_token_threshold=8),
-    # 7 blocks of 16 tokens for 6 sequences of up to 82: preemptions (asserted below)
-    dict(max_num_seqs=8, num_kv_blocks=7, max_model_len=96),
     # the pool's own length limit reached by a sequence: max_model_len 48 with prompts of 70
     # left out
     dict(max_num_seqs=8, max_model_len=48, enable_prefix_caching=False),
-], ids=["batch", "queue-and-chunks", "preemption", "max-model-len"])
+], ids=["max-model-len"])
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_async_gives_the_outputs_of_the_synchronous_loop(make_llm, tiny_model_dir, options,
                                                          sampling):

@@ -1,11 +1,14 @@
 """Every registered family against `transformers` (float32, tiny random configs saved with
 `save_pretrained`): greedy ids equal `generate(do_sample=False)` on prompts longer than the
-sliding window, through one-shot prefill, chunked prefill, prefix-cache hits, preemption and
-batching with other prompts, on the cpu, xla and pallas-interpret backends; last-token logits
-within 1e-4 of the HF model's, and the dense forward's (no pool) at every position.
+sliding window, through one-shot prefill (on the platform's backend), chunked prefill, prefix-cache hits,
+preemption and batching with other prompts (on the cpu, xla and pallas-interpret backends);
+last-token logits within 1e-4 of the HF model's, and the dense forward's (no pool) at every
+position.
 
-The xla backend and the interpreted Pallas kernels (15 s a run) see the families whose attention
-differs: windows, soft caps, head sizes, mixed layer types, a scale of its own (Gemma's). The
+The xla backend sees the families whose attention differs: windows, soft caps, head sizes, mixed
+layer types, a scale of its own (Gemma's); the interpreted Pallas kernels (15 s a run) see the
+two with windows and soft caps (Gemma 2 and 3; tests/test_kernels.py checks the kernels against
+their reference over head and block sizes, groups and dtypes). The
 others' own parts (Phi-3's partial rotary and longrope, the experts, q/k norms and clamps,
 Granite's multipliers) act before or after attention, where every backend runs the same code
 (Granite's attention multiplier is the scale, as Gemma's), and are checked on the cpu backend
@@ -113,6 +116,10 @@ def family(request, tmp_path_factory, tiny_model_dir):
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
 
 
+# Families whose attention differs (windows, soft caps, scales) on the interpreted Pallas kernel.
+PALLAS_FAMILIES = ("gemma2", "gemma3")
+
+
 def _skip_backend(name, backend):
     """Skips the backends a family is not run on (see the module docstring)."""
     from jaxpaged.pallas_kernels import cpu_attention
@@ -122,13 +129,15 @@ def _skip_backend(name, backend):
     if name in SAME_ATTENTION_AS_LLAMA and backend != (
             "cpu" if cpu_attention.available() else "xla"):
         pytest.skip("attention as llama's: checked on one backend")
+    if backend == "pallas-interpret" and name not in PALLAS_FAMILIES:
+        pytest.skip("the interpreted Pallas kernels run on the families with windows and caps")
 
 
-@pytest.mark.parametrize("backend", ["cpu", "xla", "pallas-interpret"])
-def test_one_shot_prefill(make_llm, family, backend):
-    # Every prompt in one step (a 2,048-token budget, a roomy pool, no prefix shared first).
+def test_one_shot_prefill(make_llm, family):
+    # Every prompt in one step (a 2,048-token budget, a roomy pool, no prefix shared first), on
+    # the platform's backend; every backend runs the chunked, cached and preempted case below.
     name, path, _, ids, want = family
-    _skip_backend(name, backend)
+    backend = "auto"
     llm = make_llm(path, max_model_len=128, enable_prefix_caching=False,
                    attention_backend=backend)
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)

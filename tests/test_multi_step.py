@@ -32,8 +32,8 @@ def _generate(make_llm, model_dir, params, k, **kwargs):
     return outs, runner.num_multi_step_executables > 0
 
 
+# A plain batch is tests/test_step_modes.py's k-step case.
 @pytest.mark.parametrize("options", [
-    dict(max_num_seqs=8),
     # a queue (2 seats) and prompts chunked over several steps
     dict(max_num_seqs=2, max_num_batched_tokens=16, long_prefill_token_threshold=8),
     # 7 blocks of 16 tokens for 6 sequences of up to 82: lookahead that does not fit, and a
@@ -41,7 +41,7 @@ def _generate(make_llm, model_dir, params, k, **kwargs):
     dict(max_num_seqs=8, num_kv_blocks=7, max_model_len=96),
     # an 8-bit pool (codes and scales carried through the scan) and W8A8 weights
     dict(max_num_seqs=8, kv_cache_dtype="int8", quantization="w8a8"),
-], ids=["batch", "queue-and-chunks", "preemption", "8-bit"])
+], ids=["queue-and-chunks", "preemption", "8-bit"])
 def test_multi_step_gives_the_outputs_of_single_steps(make_llm, tiny_model_dir, options):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     ref, ran = _generate(make_llm, tiny_model_dir, params, 1, **options)
@@ -88,20 +88,19 @@ def test_multi_step_decodes_forked_completions(make_llm, tiny_model_dir):
 
 
 def test_requests_that_sample_run_single_steps_beside_greedy_ones(make_llm, tiny_model_dir):
-    """Seeded sampling and logprobs need the sampler: a batch holding such a request decodes
-    one step at a time (the same outputs as without multi-step), and one of greedy requests
-    alone runs several in a row."""
-    sampled = [SamplingParams(temperature=0.8, seed=7, max_tokens=14, ignore_eos=True),
-               SamplingParams(temperature=0, logprobs=2, max_tokens=14, ignore_eos=True),
-               SamplingParams(temperature=0, min_tokens=3, max_tokens=14, ignore_eos=True)]
-    for p in sampled:
-        params = [p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
-        ref, _ = _generate(make_llm, tiny_model_dir, params, 1, max_num_seqs=8)
-        outs, ran = _generate(make_llm, tiny_model_dir, params, K, max_num_seqs=8)
-        assert_same_outputs(outs, ref)
-        assert outs[1].outputs[0].logprobs == ref[1].outputs[0].logprobs
-        # The greedy request runs on for 6 tokens after the other finishes: multi-step then.
-        assert ran
+    """Seeded sampling, logprobs and min_tokens need the sampler: a batch holding such a
+    request decodes one step at a time (the same outputs as without multi-step), and greedy
+    requests alone run several in a row."""
+    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=0, logprobs=2, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=0, min_tokens=3, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    ref, _ = _generate(make_llm, tiny_model_dir, params, 1, max_num_seqs=8)
+    outs, ran = _generate(make_llm, tiny_model_dir, params, K, max_num_seqs=8)
+    assert_same_outputs(outs, ref)
+    assert outs[1].outputs[0].logprobs == ref[1].outputs[0].logprobs
+    # The greedy request runs on for 6 tokens after the others finish: multi-step then.
+    assert ran
 
 
 def test_llm_decodes_8_steps_a_call_unless_told_and_serving_1(tiny_llm):

@@ -324,7 +324,7 @@ def tight_llm(tiny_model_dir):
                max_num_batched_tokens=48)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(params=sampling_params(), prompts=st.lists(st.sampled_from(PROMPTS + ["Hi " * 30]),
                                                   min_size=1, max_size=3))
 @example(params=SamplingParams(logprobs=0, temperature=0, max_tokens=2), prompts=["Hello"])
