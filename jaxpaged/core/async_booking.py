@@ -7,7 +7,7 @@ engine schedules step i+1 while step i runs, so step i is booked in two parts:
 - `book_launched`, right after step i is launched: each row's scheduled tokens count as
   computed, and a row that draws gets a `PLACEHOLDER` token (forking first into its n
   completions, as `update_from_output` does), so that step i+1 can be scheduled as if the draws
-  were known; step i+1 reads them on the device (`worker.async_step`). A sequence whose
+  were known; step i+1 reads them on the device (`ModelRunner.launch`). A sequence whose
   placeholder is its last token by length (`max_tokens`, `max_model_len`) is marked
   `length_capped`: the scheduler leaves it out of later steps until it finishes.
 - `book_draws`, when step i's draws are read (after step i+1 was launched): each placeholder
