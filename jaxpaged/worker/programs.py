@@ -29,7 +29,7 @@ from jaxpaged.worker.compilation_cache import ExecutableCache
 from jaxpaged.worker.kv_cache import KVCache
 
 
-def model_step(graphdef, treedef, leaves, kv_cache, batch: ModelInput, all_positions: bool):
+def step_program(graphdef, treedef, leaves, kv_cache, batch: ModelInput, all_positions: bool):
     """The pure model step (see the module); `leaves` the parameters' flat list."""
     with recording_routes() as routes:
         logits, kv_cache = forward(graphdef, jax.tree.unflatten(treedef, leaves), kv_cache,
@@ -38,7 +38,8 @@ def model_step(graphdef, treedef, leaves, kv_cache, batch: ModelInput, all_posit
             stacked_routes(routes), kv_cache)
 
 
-def multi_step(graphdef, treedef, leaves, kv_cache, first_ids: jax.Array, steps: ModelInput):
+def steps_program(graphdef, treedef, leaves, kv_cache, first_ids: jax.Array,
+                  steps: ModelInput):
     """The pure k-step decode.
 
     Args:
@@ -80,25 +81,26 @@ class StepPrograms:
         sampler runs on every device, so each process has the sampled tokens)."""
         self.kv_cache, self.executables = kv_cache, executables
 
-        # Closures, not partials: the compilation cache keys a program by its qualified name.
-        def step(leaves, kv_cache, batch, all_positions):
-            return model_step(graphdef, treedef, leaves, kv_cache, batch, all_positions)
+        # Closures, not partials: the compilation cache keys a program by its qualified name,
+        # and jax names its compilations after it (`jit(model_step)`, `jit(multi_step)`).
+        def model_step(leaves, kv_cache, batch, all_positions):
+            return step_program(graphdef, treedef, leaves, kv_cache, batch, all_positions)
 
-        def steps(leaves, kv_cache, first_ids, batches):
-            return multi_step(graphdef, treedef, leaves, kv_cache, first_ids, batches)
+        def multi_step(leaves, kv_cache, first_ids, batches):
+            return steps_program(graphdef, treedef, leaves, kv_cache, first_ids, batches)
 
         self.replicated = None if mesh is None else NamedSharding(mesh, P())
         if mesh is None:
-            self.step = jax.jit(step, donate_argnums=1, static_argnums=3)
-            self.multi_step = jax.jit(steps, donate_argnums=1)
+            self.step = jax.jit(model_step, donate_argnums=1, static_argnums=3)
+            self.multi_step = jax.jit(multi_step, donate_argnums=1)
             self.copy_blocks = jax.jit(copy_blocks, donate_argnums=0)
         else:
             pool, rep = kv_cache.spec.sharding, self.replicated
             params = [x.sharding for x in param_leaves]
-            self.step = jax.jit(step, donate_argnums=1, static_argnums=3,
+            self.step = jax.jit(model_step, donate_argnums=1, static_argnums=3,
                                 in_shardings=(params, pool, rep),
                                 out_shardings=(rep, rep, rep, pool))
-            self.multi_step = jax.jit(steps, donate_argnums=1,
+            self.multi_step = jax.jit(multi_step, donate_argnums=1,
                                       in_shardings=(params, pool, rep, rep),
                                       out_shardings=((rep,) * 3, pool))
             self.copy_blocks = jax.jit(copy_blocks, donate_argnums=0, out_shardings=pool)
@@ -154,7 +156,7 @@ class StepPrograms:
         return tuple(out)
 
     def run_steps(self, leaves: list[jax.Array], first_ids: np.ndarray, steps: ModelInput):
-        """Runs the k-step decode (`multi_step`), keeping the updated pool; returns its draws."""
+        """Runs the k-step decode (`steps_program`), keeping the updated pool; returns its draws."""
         args = (leaves, self.kv_cache.pool, first_ids, steps)
         draws, self.kv_cache.pool = self.executable(self.multi_step, args)(*args)
         return draws
