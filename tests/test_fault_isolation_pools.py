@@ -55,7 +55,7 @@ def _assert_unaffected(ref, outs) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", POOL_DTYPES)
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])  # a float pool never showed it
 def test_a_seeded_sampled_request_beside_a_faulty_one_keeps_its_tokens(
         make_llm, default_model_dir, kv_cache_dtype):
     """SmolLM2: on 8-bit pools this request's completions drawn from its lone rerun of the
