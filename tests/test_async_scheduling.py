@@ -107,20 +107,24 @@ def test_async_stops_where_the_synchronous_loop_stops(make_llm, tiny_model_dir):
 
 def test_requests_it_cannot_overlap_run_synchronously(make_llm, tiny_model_dir, monkeypatch):
     """Penalties (they count output tokens) and prompt logprobs beside plain requests: the
-    outputs are the synchronous loop's; steps overlap once those requests are done, and no
-    launched step ever holds one of them."""
+    outputs are the synchronous loop's; steps overlap once those needs are met, and no launched
+    step holds a penalized row, or a prompt-logprobs row before its first output."""
     from jaxpaged.engine import async_scheduling
 
     launched_params, real = [], async_scheduling.book_launched
+    # (params, whether the row computed its prompt before any output) of each launched row
     monkeypatch.setattr(async_scheduling, "book_launched", lambda scheduler, out: (
-        launched_params.extend(s.params for s in out.seqs), real(scheduler, out))[1])
+        launched_params.extend((s.params, s.num_output_tokens == 0) for s in out.seqs),
+        real(scheduler, out))[1])
     params = list(GREEDY)
     params[1] = SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.3,
                                ignore_eos=True)
     params[3] = SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=1, ignore_eos=True)
     _, overlapped = _compare(make_llm, tiny_model_dir, params, max_num_seqs=8)
     assert overlapped > 0 and launched_params
-    assert not any(p is params[1] or p is params[3] for p in launched_params)
+    # Penalties never overlap; prompt logprobs only once the prompt's step has been read.
+    assert not any(p is params[1] or (p is params[3] and before_output)
+                   for p, before_output in launched_params)
 
 
 def test_a_speculative_proposer_runs_synchronously(make_llm, tiny_model_dir):

@@ -1,9 +1,9 @@
-"""Multi-step decoding (`num_scheduler_steps`, `jaxpaged.worker.multi_step`): k decode steps run in
-one device call give the outputs of k single steps (greedy ids equal, cumulative logprobs within
-1e-4) across batching, a waiting queue, chunked prefill, preemption, stop tokens and strings,
-forked completions and requests it does not apply to; the scheduler books k tokens' slots and
-gives back those a stopped sequence leaves. KV blocks are all free after each engine
-(`make_llm`'s leak check)."""
+"""Multi-step decoding (`num_scheduler_steps`; a k-step decode is one `ModelRunner.launch`
+whose program, `StepPrograms.run_steps`, runs k steps): k decode steps in one device call give
+the outputs of k single steps (greedy ids equal, cumulative logprobs within 1e-4) across a
+waiting queue, chunked prefill, preemption, stop tokens and strings, forked completions and
+requests it does not apply to; the scheduler books k tokens' slots and gives back those a
+stopped sequence leaves. KV blocks are all free after each engine (`make_llm`'s leak check)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ sampler call (`worker.draws`), k decode steps in one call (`num_scheduler_steps`
 launched before the last one's draws are read (`async_scheduling`), and speculative
 proposals, which are verified against draws that must not depend on the proposals' own
 effect on the host's state. Each asks `host_needs(seq)` and tests the flags it cannot
-serve; no other module re-derives them from `SamplingParams`.
+serve. (The sampler's own metadata, `InputBatch`, still reads each parameter it applies.)
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ class HostNeed(enum.Flag):
     LOGPROBS = enum.auto()  # its draws report logprobs (top-k, or a processed distribution)
     MIN_TOKENS = enum.auto()  # stop tokens masked until `min_tokens` outputs
     OUTPUTS = enum.auto()  # reads its earlier outputs: penalties, a grammar's matcher
-    PROMPT_LOGITS = enum.auto()  # logits at every prompt token: prompt logprobs, scoring
+    PROMPT_LOGITS = enum.auto()  # logits at every prompt token: prompt logprobs (until the
+    # first output), scoring
     PROPOSALS = enum.auto()  # speculative proposals to verify this step
 
 
@@ -55,7 +56,10 @@ def host_needs(seq: Sequence) -> HostNeed:
     if (seq.matcher is not None or p.structured_outputs is not None
             or p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty):
         need |= HostNeed.OUTPUTS
-    if p.prompt_logprobs is not None or seq.scoring is not None:
+    # Prompt logprobs come from the step that computes the prompt, before the first output
+    # (`worker.prompt_logprobs.wants_prompt_logprobs`); a scoring sequence's from every chunk.
+    if seq.scoring is not None or (p.prompt_logprobs is not None
+                                   and seq.num_output_tokens == 0):
         need |= HostNeed.PROMPT_LOGITS
     if seq.spec_token_ids:
         need |= HostNeed.PROPOSALS

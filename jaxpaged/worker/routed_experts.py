@@ -22,7 +22,6 @@ token that is computed there later overwrites them.
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -75,16 +74,9 @@ class RoutedExperts:
             if seq.params.return_routed_experts and not seq.is_finished:
                 self._write(seq, start, by_token[f:f + n])
 
-    def record_step(self, seqs, num_new_tokens: list[int], batch, routes: jax.Array) -> None:
-        """`record` of a step the runner ran on `batch` (`models.ModelInput`, built on the
-        host) for `seqs` before their `num_computed_tokens` advanced."""
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, len(seqs))
-        self.record(seqs, starts, np.asarray(num_new_tokens, np.int32),
-                    np.asarray(batch.attention.slot_mapping), np.asarray(jax.device_get(routes)))
-
     def record_steps(self, seqs, starts: np.ndarray, slot_mappings: np.ndarray,
                      routes: np.ndarray) -> None:
-        """Writes k decode steps' routes (`worker.multi_step`): `slot_mappings: i32[k, T]`,
+        """Writes k decode steps' routes (a k-step decode, `ModelRunner.launch`): `slot_mappings: i32[k, T]`,
         `routes: i16[k, L_moe, T, k_experts]`; row r's token is token r of each step, at
         position `starts[r] + i` in step i."""
         ones = np.ones(len(seqs), np.int32)
