@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from output_utils import assert_idle
 
 TINY_CONFIG = dict(  # GQA (4 query heads on 2 KV heads), untied embeddings
     vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -117,9 +118,7 @@ def make_llm():
     make.built = _built  # the engines built so far in this test, in order
     yield make
     for llm in _built:
-        stats = llm.stats()
-        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
-        assert stats["num_running"] == stats["num_waiting"] == 0, stats
+        assert_idle(llm)
     _built.clear()
 
 
@@ -150,6 +149,4 @@ def no_leaks(request):
     """After each test that used `tiny_llm`: every block free, nothing queued."""
     yield
     if "tiny_llm" in request.fixturenames:
-        stats = request.getfixturevalue("tiny_llm").stats()
-        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
-        assert stats["num_running"] == stats["num_waiting"] == 0, stats
+        assert_idle(request.getfixturevalue("tiny_llm"))

@@ -1,4 +1,5 @@
-"""Comparing two engines' outputs of the same requests (the step-mode equality tests)."""
+"""Comparing two engines' outputs of the same requests (the step-mode equality tests), and an
+engine's state after its requests (the leak checks)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,10 @@ def assert_same_outputs(outs, ref, atol: float = 1e-4) -> None:
                                            [x.logprob for x in b.values()], atol=atol)
         assert (o.prompt_logprobs is None
                 or len(o.prompt_logprobs) == len(r.prompt_logprobs))
+
+
+def assert_idle(llm) -> None:
+    """`llm` (an `LLM`) holds no request and every KV block is free: nothing leaked."""
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    assert stats["num_running"] == stats["num_waiting"] == 0, stats

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from jaxpaged import (BeamSearchParams, EngineDeadError, InvalidRequestError, SamplingParams)
 from jaxpaged.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from jaxpaged.engine.stop_strings import StopStrings, StopStringState
+from output_utils import assert_idle
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
 
@@ -358,6 +359,4 @@ def test_any_valid_sampling_params_complete_and_free_every_block(tight_llm, para
                            for t, entry in zip(c.token_ids, c.logprobs))
         if params.prompt_logprobs is not None:
             assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
-    stats = tight_llm.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
-    assert stats["num_running"] == stats["num_waiting"] == 0, stats
+    assert_idle(tight_llm)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from output_utils import assert_same_outputs
+from output_utils import assert_idle, assert_same_outputs
 
 PROMPTS = [{"prompt_token_ids": ids} for ids in (
     [5, 6, 7, 8, 9, 10], list(range(3, 43)), [42] * 9 + [43, 44] * 6, [7, 8, 9],
@@ -47,9 +47,7 @@ def _workload(ref_outputs=None) -> list[SamplingParams]:
 
 def _run(llm: LLM, params) -> list:
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    stats = llm.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
-    assert stats["num_running"] == stats["num_waiting"] == 0, stats
+    assert_idle(llm)
     return outs
 
 
