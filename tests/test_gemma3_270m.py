@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 import torch
+from output_utils import assert_idle
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jaxpaged import LLM, SamplingParams
@@ -28,13 +29,26 @@ def gemma_dir():
     return resolve_model(GEMMA3_270M)
 
 
-def test_greedy_ids_equal_transformers(gemma_dir):
+@pytest.fixture(scope="module")
+def llm(gemma_dir):
+    """One engine for both tests: room for the 1000-token prompt and all eight together."""
+    return LLM(gemma_dir, max_model_len=1100, num_kv_blocks=600, precompile=False)
+
+
+@pytest.fixture(autouse=True)
+def llm_left_idle(request):
+    """After each test that used `llm`: every block free, nothing queued."""
+    yield
+    if "llm" in request.fixturenames:
+        assert_idle(request.getfixturevalue("llm"))
+
+
+def test_greedy_ids_equal_transformers(gemma_dir, llm):
     tokenizer = AutoTokenizer.from_pretrained(gemma_dir)
     long_ids = tokenizer(STORY * 40).input_ids
     prompts = [tokenizer(p).input_ids for p in SHORT] + [long_ids[:600], long_ids[:800],
                                                          long_ids[:1000]]
     assert sum(len(p) > 512 for p in prompts) == 3
-    llm = LLM(gemma_dir, max_model_len=1100, num_kv_blocks=600, precompile=False)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     # transformers' greedy choice at every step, in one forward pass per prompt: with our 12
@@ -50,14 +64,13 @@ def test_greedy_ids_equal_transformers(gemma_dir):
             assert logits.argmax(-1).tolist() == ours, len(ids)
 
 
-def test_chat_template_and_end_of_turn(gemma_dir):
+def test_chat_template_and_end_of_turn(llm):
     # LLM.chat and the server's chat completions apply the same template and stop at the end
     # of the model's turn.
     import httpx
 
     from server_utils import ServerThread
 
-    llm = LLM(gemma_dir, max_model_len=512, num_kv_blocks=64, precompile=False)
     tokenizer = llm.get_tokenizer()
     messages = [{"role": "system", "content": "Answer in one word."},
                 {"role": "user", "content": "What is the capital of France?"}]
