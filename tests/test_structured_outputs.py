@@ -37,7 +37,8 @@ QUESTION = [{"role": "user", "content": "Describe a user of a website as a JSON 
 def llm(default_model_dir):
     from jaxpaged import LLM
 
-    return LLM(default_model_dir, precompile=False, max_model_len=1024, num_kv_blocks=1024)
+    # test_tool_calling's and test_responses' limits: one worker compiles them once.
+    return LLM(default_model_dir, precompile=False, max_model_len=1024, num_kv_blocks=512)
 
 
 def constrained(**kw) -> StructuredOutputsParams:
@@ -46,13 +47,13 @@ def constrained(**kw) -> StructuredOutputsParams:
 
 def test_sampled_outputs_meet_a_nested_schema(llm):
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=256,
-                             structured_outputs=constrained(json=SCHEMA)) for i in range(12)]
-    outputs = llm.chat([QUESTION] * 12, params, use_tqdm=False)
+                             structured_outputs=constrained(json=SCHEMA)) for i in range(8)]
+    outputs = llm.chat([QUESTION] * 8, params, use_tqdm=False)
     for out in outputs:
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", completion.text
         jsonschema.validate(json.loads(completion.text), SCHEMA)
-    assert len({o.outputs[0].text for o in outputs}) > 9  # sampled, not one answer
+    assert len({o.outputs[0].text for o in outputs}) > 6  # sampled, not one answer
 
 
 def test_regex_and_choice(llm):
@@ -100,19 +101,19 @@ def test_stop_strings_end_a_constrained_output(llm):
         assert completion.text in ("red", "green") and completion.stop_reason == " "
 
 
-def test_with_n_seeds_chunks_and_preemption(make_llm, default_model_dir):
+def test_with_n_seeds_chunks_and_preemption(llm, make_llm, default_model_dir):
     """n = 3 under a schema on an engine that chunks prompts (16-token steps) and preempts
-    (a pool of 24 blocks of 16 tokens): every completion meets it, and the same seeds give the
-    same completions as on an engine with room for all."""
+    (a pool of 16 blocks of 16 tokens for three completions of a 57-token prompt): every
+    completion meets it, and the same seeds give the same completions as on the module's
+    engine, with room for all."""
     question = [{"role": "user", "content": "Describe a user of a website as a JSON object. "
                  "Use short names and keep it brief, please, as this is a test."}]
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=160,
                             structured_outputs=constrained(json=SCHEMA))
-    roomy = make_llm(default_model_dir, max_model_len=256, num_kv_blocks=256)
-    tight = make_llm(default_model_dir, max_model_len=256, num_kv_blocks=24,
+    tight = make_llm(default_model_dir, max_model_len=256, num_kv_blocks=16,
                      max_num_batched_tokens=16, long_prefill_token_threshold=16)
-    want = roomy.chat([question] * 2, params, use_tqdm=False)
-    got = tight.chat([question] * 2, params, use_tqdm=False)
+    want = llm.chat([question], params, use_tqdm=False)
+    got = tight.chat([question], params, use_tqdm=False)
     assert tight.stats()["num_preemptions"] > 0
     for w, g in zip(want, got):
         for a, b in zip(w.outputs, g.outputs):

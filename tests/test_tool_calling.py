@@ -125,6 +125,7 @@ def server(default_model_dir):
 
     from jaxpaged import LLM
 
+    # test_structured_outputs' and test_responses' limits: one worker compiles them once.
     llm = LLM(default_model_dir, precompile=False, max_model_len=1024, num_kv_blocks=512)
     with ServerThread(llm, "smollm2", tool_call_parser="hermes") as server:
         yield server
