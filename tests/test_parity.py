@@ -28,15 +28,21 @@ PROMPTS = [
 MAX_NEW_TOKENS = 24
 
 
-def hf_greedy(model_dir, prompt_ids, max_new_tokens):
+def hf_teacher_forced(model_dir, prompt_ids, completions):
+    """transformers' greedy choices after each prefix of `prompt_ids[b] + completions[b]` (one
+    forward pass per prompt, no padding) and its next-token logits after each prompt.
+
+    With our completion appended, the argmax after each prefix must be our next token: that is
+    what `generate(do_sample=False)` would have drawn step by step."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
+    greedy, last = [], []
     with torch.no_grad():
-        for ids in prompt_ids:  # one at a time: no padding in the reference
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=model.config.eos_token_id)
-            out.append(gen[0, len(ids):].tolist())
-    return model, out
+        for ids, ours in zip(prompt_ids, completions):
+            logits = model(torch.tensor([ids + ours[:-1]]), use_cache=False).logits[0]
+            greedy.append(logits[len(ids) - 1:].argmax(-1).tolist())
+            last.append(logits[len(ids) - 1].numpy())
+    eos = model.generation_config.eos_token_id
+    return greedy, last, set(eos if isinstance(eos, list) else [eos])
 
 
 def prefill_logits(model_dir, prompt_ids, block_size=16):
@@ -70,15 +76,17 @@ def check_parity(make_llm, model_dir, attention_backend="auto"):
     llm = make_llm(model_dir, max_model_len=256, attention_backend=attention_backend)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS),
                            use_tqdm=False)
-    hf_model, hf_ids = hf_greedy(model_dir, prompt_ids, MAX_NEW_TOKENS)
+    completions = [out.outputs[0].token_ids for out in outputs]
+    hf_ids, hf_last, eos = hf_teacher_forced(model_dir, prompt_ids, completions)
     for out, want, ids in zip(outputs, hf_ids, prompt_ids):
         assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == want, out.prompt
+        ours = out.outputs[0].token_ids
+        assert ours == want, out.prompt
+        # shorter only by ending at an EOS, where generate would stop too
+        assert len(ours) == MAX_NEW_TOKENS or ours[-1] in eos, out.prompt
 
     ours = prefill_logits(model_dir, prompt_ids)
-    for b, ids in enumerate(prompt_ids):
-        with torch.no_grad():
-            ref = hf_model(torch.tensor([ids])).logits[0, -1].numpy()
+    for b, ref in enumerate(hf_last):
         rel = np.abs(ours[b] - ref).max() / np.abs(ref).max()
         assert rel < 1e-4, (PROMPTS[b], rel)
 
