@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from output_utils import assert_idle
 from transformers import AutoTokenizer, LlamaForCausalLM as HFLlama
 
 from jaxpaged import SamplingParams
@@ -11,16 +12,40 @@ from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 PROMPTS = ["The capital of France is", "Write a short list of fruits:", "1, 2, 3, 4,"]
 
 
-def hf_model(model_dir):
-    return HFLlama.from_pretrained(model_dir, dtype=torch.float32).eval()
+@pytest.fixture(scope="module")
+def shared():
+    """`get(model_dir) -> (engine, HF reference)`: one `LLM` (`make_llm`'s limits) and one
+    transformers model per model, built on first use and shared by the module's tests."""
+    from jaxpaged import LLM
+
+    built = {}
+
+    def get(model_dir):
+        if model_dir not in built:
+            built[model_dir] = (
+                LLM(model_dir, max_model_len=256, num_kv_blocks=256, precompile=False),
+                HFLlama.from_pretrained(model_dir, dtype=torch.float32).eval())
+        return built[model_dir]
+
+    get.built = built
+    yield get
+    built.clear()
+
+
+@pytest.fixture(autouse=True)
+def shared_left_idle(request):
+    """After each test that used `shared`: every engine's blocks free, nothing queued."""
+    yield
+    if "shared" in request.fixturenames:
+        for llm, _ in request.getfixturevalue("shared").built.values():
+            assert_idle(llm)
 
 
 @pytest.mark.parametrize("model", ["tiny", pytest.param("default", marks=pytest.mark.slow)])
-def test_logprobs_equal_hf_log_softmax(model, make_llm, tiny_model_dir, default_model_dir):
+def test_logprobs_equal_hf_log_softmax(model, shared, tiny_model_dir, default_model_dir):
     model_dir = tiny_model_dir if model == "tiny" else default_model_dir
-    llm = make_llm(model_dir)
+    llm, reference = shared(model_dir)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
-    reference = hf_model(model_dir)
     for out in llm.generate(PROMPTS, params, use_tqdm=False):
         c = out.outputs[0]
         ids = out.prompt_token_ids + c.token_ids
@@ -40,12 +65,11 @@ def test_logprobs_equal_hf_log_softmax(model, make_llm, tiny_model_dir, default_
 @pytest.mark.parametrize("model, penalty", [
     ("tiny", 0.3),  # < 1 favours seen tokens: a random model otherwise rarely repeats
     pytest.param("default", 1.3, marks=pytest.mark.slow)])
-def test_repetition_penalty_equals_hf(model, penalty, make_llm, tiny_model_dir,
+def test_repetition_penalty_equals_hf(model, penalty, shared, tiny_model_dir,
                                       default_model_dir):
     model_dir = tiny_model_dir if model == "tiny" else default_model_dir
-    llm = make_llm(model_dir)
+    llm, reference = shared(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    reference = hf_model(model_dir)
     params = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=penalty,
                             ignore_eos=True)
     plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -153,11 +177,10 @@ def test_invalid_field_raises_value_error(tiny_llm, field, value):
 
 
 @pytest.mark.parametrize("model", ["tiny", pytest.param("default", marks=pytest.mark.slow)])
-def test_prompt_logprobs_equal_hf_log_softmax(model, make_llm, tiny_model_dir,
+def test_prompt_logprobs_equal_hf_log_softmax(model, shared, tiny_model_dir,
                                               default_model_dir):
     model_dir = tiny_model_dir if model == "tiny" else default_model_dir
-    llm = make_llm(model_dir)
-    reference = hf_model(model_dir)
+    llm, reference = shared(model_dir)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, ignore_eos=True)
     for out in llm.generate(PROMPTS, params, use_tqdm=False):
         ids = out.prompt_token_ids
@@ -176,10 +199,10 @@ def test_prompt_logprobs_equal_hf_log_softmax(model, make_llm, tiny_model_dir,
 
 
 @pytest.mark.slow
-def test_streamed_partial_texts_of_emoji_and_cjk_output(make_llm, default_model_dir):
+def test_streamed_partial_texts_of_emoji_and_cjk_output(shared, default_model_dir):
     """The default model answers these with Japanese and emoji: partial texts are prefixes of
     the final text and never show U+FFFD for a character split across tokens."""
-    llm = make_llm(default_model_dir)  # the other tests' limits: their executables again
+    llm, _ = shared(default_model_dir)  # the other tests' engine
     engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
     questions = {"cjk": "How do you say hello in Japanese and in Chinese? Answer with the words "
                         "and a smiley emoji.",
