@@ -26,7 +26,8 @@ transformers on the same GPU, where a step's time goes, and the decode kernel's 
    then again on the same folder (warm), seconds each.
 
 `--smoke` shrinks everything (a random 2-layer Llama, 4 random 32-token prompts of 8 output
-tokens, a 4 x 64-token pool with the kernel interpreted on CPU) so that CI runs the script end
+tokens, engines limited to 128 tokens, a 4 x 64-token pool with the kernel interpreted on CPU
+and each launch timed twice) so that CI runs the script end
 to end (tests/test_gpu_e2e.py).
 """
 
@@ -79,7 +80,8 @@ def throughput(model: str, args) -> dict:
     base = dict(
         model=str(folder), dataset="random" if args.smoke else "sharegpt",
         num_prompts=args.num_prompts, seed=0, max_output=args.max_output, input_len=32,
-        output_len=args.max_output, max_model_len=2048, max_num_seqs=args.batch,
+        output_len=args.max_output, max_model_len=args.max_model_len or 2048,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.batch,
         warmup="precompile", batch_invariant=False, attention_backend="auto",
         quantization="none", kv_cache_dtype="auto", temperature=0.0, top_p=1.0, top_k=0,
         dtype=args.dtype, device=args.torch_device)
@@ -138,7 +140,9 @@ def step_split(model: str, args, steps: int = 8) -> dict:
 
     out = {"batch": args.batch}
     for mode in ("sync", "async"):
-        llm = LLM(model, dtype=args.dtype, max_model_len=1024, max_num_seqs=args.batch,
+        llm = LLM(model, dtype=args.dtype, max_model_len=getattr(args, "max_model_len", None)
+                  or 1024, max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+                  max_num_seqs=args.batch,
                   num_scheduler_steps=1, enable_prefix_caching=False,
                   async_scheduling=mode == "async")
         engine = llm.llm_engine
@@ -185,7 +189,8 @@ def kernel_bandwidth(args) -> dict:
     copy = jax.jit(lambda x: x * 2)  # reads and writes every byte once
     out = {"shape": {"seqs": B, "context": ctx, "kv_heads": K, "head_dim": H}}
     flat = jnp.concatenate([k.reshape(-1), v.reshape(-1)])
-    seconds = _best(lambda: copy(flat).block_until_ready())
+    repeats = 2 if args.smoke else 10
+    seconds = _best(lambda: copy(flat).block_until_ready(), repeats)
     out["copy"] = {"seconds": seconds, "GB_per_s": 2 * flat.nbytes / seconds / 1e9}
     for kind, (kp, vp, ks, vs) in pools.items():
         read = sum(x.nbytes for x in (kp, vp, ks, vs) if x is not None)
@@ -196,7 +201,7 @@ def kernel_bandwidth(args) -> dict:
                 interpret=jax.default_backend() == "cpu", **launch))
             try:
                 seconds = _best(lambda: fn(q, kp, vp, k_scales=ks, v_scales=vs)
-                                .block_until_ready())
+                                .block_until_ready(), repeats)
             except Exception as e:  # a launch the compiler refuses for this shape
                 sweep.append({**launch, "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
@@ -235,14 +240,16 @@ def compilation(model: str, args) -> dict:
 
     code = ("import sys, time; from jaxpaged import LLM; start = time.perf_counter(); "
             "LLM(sys.argv[1] if sys.argv[1] != 'None' else None, dtype=sys.argv[2], "
-            "max_model_len=1024, max_num_seqs=int(sys.argv[3]), compilation_cache_dir=sys.argv[4]);"
+            "max_model_len=int(sys.argv[5]), max_num_batched_tokens=int(sys.argv[6]) or None, "
+            "max_num_seqs=int(sys.argv[3]), compilation_cache_dir=sys.argv[4]);"
             " print('BUILD_S', time.perf_counter() - start)")
     times = []
     with tempfile.TemporaryDirectory() as cache:
         for _ in range(2):
             proc = subprocess.run([sys.executable, "-c", code, str(model), args.dtype,
-                                   str(args.batch), cache], capture_output=True, text=True,
-                                  check=True)
+                                   str(args.batch), cache, str(args.max_model_len or 1024),
+                                   str(args.max_num_batched_tokens or 0)],
+                                  capture_output=True, text=True, check=True)
             times.append(float(proc.stdout.split("BUILD_S")[-1]))
     return {"cold_s": times[0], "warm_s": times[1]}
 
@@ -267,6 +274,9 @@ def main(argv=None) -> dict:
     args.num_prompts = args.num_prompts or (4 if args.smoke else 64)
     args.max_output = args.max_output or (8 if args.smoke else 256)
     args.batch = args.batch or (4 if args.smoke else 64)
+    # --smoke's workloads fit in 128 tokens: its engines take that as max_model_len and as the
+    # step's token budget, so that far fewer token buckets compile (None: the GPU run's limits).
+    args.max_model_len = args.max_num_batched_tokens = 128 if args.smoke else None
     args.out = args.out or RESULTS / ("gpu-e2e-smoke.json" if args.smoke else "gpu-e2e.json")
     args.torch_device = "cuda" if gpu and torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as tmp:

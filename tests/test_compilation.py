@@ -16,21 +16,21 @@ def test_after_precompile_a_mixed_workload_compiles_no_new_step(make_llm, tiny_m
     if backend == "cpu" and not cpu_attention.available():
         pytest.skip("no C++ compiler")
     llm = make_llm(tiny_model_dir, max_model_len=64, num_kv_blocks=64, max_num_seqs=2,
-                   max_num_batched_tokens=32, precompile=True, attention_backend=backend)
+                   max_num_batched_tokens=16, precompile=True, attention_backend=backend)
     runner = llm.llm_engine.runner
-    shapes = runner.step_shapes(32)
+    shapes = runner.step_shapes(16)
     assert llm.stats()["num_compilations"] == len(shapes)
-    # One shape per token bucket (1, 2, 3, 4, 6, ..., 32); the Pallas backends also compile
+    # One shape per token bucket (1, 2, 3, 4, 6, 8, 12, 16); the Pallas backends also compile
     # the decode-only steps of the buckets that many sequences fill (1 and 2 here).
-    assert len(shapes) == 10 + (2 if backend.startswith("pallas") else 0)
+    assert len(shapes) == 8 + (2 if backend.startswith("pallas") else 0)
     shared = "a shared instruction prefix that spans more than one block of tokens " * 2
     prompts = [shared + "first", "short", shared + "second question here",
-               "a prompt long enough to be chunked under a 32 token budget " * 3, "x y z",
+               "a prompt long enough to be chunked under a 16 token budget", "x y z",
                shared + "third"]
-    params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
               for i in range(len(prompts))]
-    params[1] = SamplingParams(n=2, seed=1, max_tokens=9, ignore_eos=True)
-    assert max(len(llm.get_tokenizer()(p).input_ids) for p in prompts) > 32  # one is chunked
+    params[1] = SamplingParams(n=2, seed=1, max_tokens=5, ignore_eos=True)
+    assert max(len(llm.get_tokenizer()(p).input_ids) for p in prompts) > 16  # one is chunked
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert sum(o.num_cached_tokens for o in outputs) > 0  # prefix cache hits happened
     assert llm.stats()["num_compilations"] == len(shapes)

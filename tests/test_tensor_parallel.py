@@ -43,11 +43,12 @@ MODELS = {  # name -> (transformers class names, config overrides)
                     dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)),
 }
 # The tensor-parallel sizes each model runs at (and at 1, the reference): each split once. One
-# KV head repeated to every device (kv1, 8); 2 heads split (kv2, 2) and repeated twice and four
-# times (kv2, 4 and 8; the same with q/k/v biases: qwen2, 2 and 4); 8 heads four and one per
-# device (kv8, 2 and 8); the experts' hidden units in halves and eighths (mixtral, 2 and 8).
-TP_SIZES = {"llama-kv1": (8,), "llama-kv2": (2, 4, 8), "llama-kv8": (2, 8),
-            "qwen2-kv2": (2, 4), "mixtral-kv2": (2, 8)}
+# KV head repeated to every device (kv1, 8); 2 heads split (kv2, 2) and repeated twice (kv2,
+# 4; the same with q/k/v biases: qwen2, 2 and 4); 8 heads four and one per device (kv8, 2 and
+# 8); the experts' hidden units in halves (mixtral, 2; all 8 devices hold experts under expert
+# parallelism below).
+TP_SIZES = {"llama-kv1": (8,), "llama-kv2": (2, 4), "llama-kv8": (2, 8),
+            "qwen2-kv2": (2, 4), "mixtral-kv2": (2,)}
 EXPERT_PARALLEL_SIZES = (2, 8)  # four experts a device, and one
 
 
@@ -268,26 +269,18 @@ def _start_processes(args: dict, num: int = 2) -> list[subprocess.Popen]:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(num)]
 
 
-def test_two_processes_equal_one(tp_models, tp_results):
-    model = str(tp_models["llama-kv2"])
-    procs = _start_processes({"runs": [[model, 4]]})
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, output in zip(procs, outputs):
-        assert p.returncode == 0, output[-5000:]
-        [line] = [x for x in output.splitlines() if x.startswith("RESULT ")]
-        ids = json.loads(line[len("RESULT "):])["ids"]["llama-kv2/4"]
-        assert ids == tp_results["ids"]["llama-kv2/1"]
-
-
-def test_a_dead_process_is_a_clear_error_on_the_other(tp_models):
-    """Process 1 killed mid-generation: process 0 fails with EngineDeadError naming the cause
-    and exits within 60 s (jax's coordination service then aborts the process). On a loaded
-    machine the service's heartbeat check can abort process 0 first, with its own message
-    naming the dead task: that is a clear error too."""
+@pytest.fixture(scope="module")
+def two_processes(tp_models) -> dict:
+    """Two processes of 2 devices each, TP 4 across them on llama-kv2: each one's greedy ids
+    ("ids"); then, both generating again, process 1 killed: process 0's output after that
+    ("output"), its exit status ("returncode") and the seconds it took to exit ("exit_s")."""
     procs = _start_processes({"runs": [[str(tp_models["llama-kv2"]), 4]], "forever": True})
     try:
-        for p in procs:  # both are generating
+        ids = []
+        for p in procs:  # both have generated once, and are generating
             for line in p.stdout:
+                if line.startswith("RESULT "):
+                    ids.append(json.loads(line[len("RESULT "):])["ids"]["llama-kv2/4"])
                 if line.startswith("GENERATING"):
                     break
             else:
@@ -296,17 +289,33 @@ def test_a_dead_process_is_a_clear_error_on_the_other(tp_models):
         procs[1].kill()
         killed = time.monotonic()
         output = procs[0].communicate(timeout=90)[0]
-        assert time.monotonic() - killed < 60
-        assert procs[0].returncode != 0
-        ours = ("EngineDeadError: a step across 2 processes failed (another process may have "
-                "died)")
-        # jax names the dead task on the line after this one.
-        jax_first = "The following tasks are unhealthy (stopped sending heartbeats):"
-        assert ours in output or jax_first in output, output[-5000:]
+        return dict(ids=ids, output=output, returncode=procs[0].returncode,
+                    exit_s=time.monotonic() - killed)
     finally:
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_two_processes_equal_one(two_processes, tp_results):
+    assert len(two_processes["ids"]) == 2
+    for ids in two_processes["ids"]:
+        assert ids == tp_results["ids"]["llama-kv2/1"]
+
+
+def test_a_dead_process_is_a_clear_error_on_the_other(two_processes):
+    """Process 1 killed mid-generation: process 0 fails with EngineDeadError naming the cause
+    and exits within 60 s (jax's coordination service then aborts the process). On a loaded
+    machine the service's heartbeat check can abort process 0 first, with its own message
+    naming the dead task: that is a clear error too."""
+    output = two_processes["output"]
+    assert two_processes["exit_s"] < 60
+    assert two_processes["returncode"] != 0
+    ours = ("EngineDeadError: a step across 2 processes failed (another process may have "
+            "died)")
+    # jax names the dead task on the line after this one.
+    jax_first = "The following tasks are unhealthy (stopped sending heartbeats):"
+    assert ours in output or jax_first in output, output[-5000:]
 
 
 def test_serve_on_two_processes(tp_models, served_text, one_device_llm):

@@ -5,7 +5,7 @@ JSON_ARGS: {"runs": [[model dir, tp(, kv_cache_dtype)], ...], "backend": name,
 "hlo": dir or null, "shards": dir or null,
 "distributed": [coordinator, num_processes, process_id] or null, "updates": [[model dir, tp], ...],
 "multi_step": [[model dir, tp], ...], "expert_parallel": [[model dir, tp], ...],
-"async": [[model dir, tp], ...]}.
+"async": [[model dir, tp], ...], "forever": bool}.
 Results: greedy ids and the pool arrays' shardings ("pools") by "<dir name>/<tp>" (with
 "/<kv_cache_dtype>" when the run names one); for "hlo", the compiled step's collectives; for
 "shards", where each parameter's shards lie; for "updates", the ids after new weights went into
@@ -13,7 +13,8 @@ a TP engine and a one-device engine (`updates`); for "multi_step", the ids with
 `num_scheduler_steps=4` ("<dir name>/<tp>/steps4") and whether a multi-step call ran; for
 "expert_parallel", the ids with `enable_expert_parallel` ("<dir name>/<tp>/ep") and the shapes
 of layer 0's expert shards; for "async", the ids with `async_scheduling`
-("<dir name>/<tp>/async") and the steps it overlapped.
+("<dir name>/<tp>/async") and the steps it overlapped. With "forever", the first run's ids
+alone, then "GENERATING", then that run's prompts again and again until the process is killed.
 """
 
 import json
@@ -100,8 +101,12 @@ def updates(model, tp) -> dict:
     return out
 
 
-if args.get("forever"):  # generate until killed (the process-failure test)
-    engine_llm = llm(*args["runs"][0])
+if args.get("forever"):  # the first run's ids, then generate until killed (process failure)
+    model, tp, *kv_cache_dtype = args["runs"][0]
+    engine_llm = llm(model, tp, *kv_cache_dtype)
+    ids = [o.outputs[0].token_ids for o in engine_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    key = "/".join([os.path.basename(model), str(tp), *kv_cache_dtype])
+    print("RESULT " + json.dumps({"ids": {key: ids}}), flush=True)
     print("GENERATING", flush=True)
     while True:
         engine_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
