@@ -99,7 +99,7 @@ def test_async_stops_where_the_synchronous_loop_stops(make_llm, tiny_model_dir):
                                          stop=[text[len(text) // 2:len(text) // 2 + 3]]))
         else:
             params.append(p)
-    outs, overlapped = _compare(make_llm, tiny_model_dir, params, max_num_seqs=16)
+    outs, overlapped = _compare(make_llm, tiny_model_dir, params, max_num_seqs=8)
     assert overlapped > 0
     assert any(c.finish_reason == "stop" for o in outs for c in o.outputs)
     assert any(len(o.outputs) == 3 for o in outs)
@@ -141,7 +141,7 @@ def test_a_speculative_proposer_runs_synchronously(make_llm, tiny_model_dir):
 def test_aborting_a_request_whose_step_is_in_flight(make_llm, tiny_model_dir):
     """A request aborted while its step runs is dropped when the step's draws are read; the
     others finish as they would, and every block is free after (the leak check)."""
-    llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=1)
+    llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=1, max_num_seqs=8)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in PROMPTS[:3]]
