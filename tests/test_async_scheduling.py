@@ -191,8 +191,10 @@ def test_a_fault_at_launch_is_isolated(make_llm, tiny_model_dir):
 def test_multi_step_calls_beside_async_steps(make_llm, tiny_model_dir):
     """With `num_scheduler_steps` 4 too, multi-step calls (nothing waiting, all greedy) run
     synchronously after the step in flight is read; the rest overlap. Outputs as without."""
-    ref, _ = _generate(make_llm, tiny_model_dir, GREEDY, False, max_num_seqs=2)
-    llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=4, max_num_seqs=2)
+    # prompts chunked over several steps (they overlap), then decodes alone (multi-step calls)
+    ref, _ = _generate(make_llm, tiny_model_dir, GREEDY, False, max_num_seqs=8)
+    llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=4, max_num_seqs=8,
+                   max_num_batched_tokens=16)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_same_outputs(outs, ref)
     runner = llm.llm_engine.runner
