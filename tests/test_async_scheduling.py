@@ -99,7 +99,7 @@ def test_async_stops_where_the_synchronous_loop_stops(make_llm, tiny_model_dir):
                                          stop=[text[len(text) // 2:len(text) // 2 + 3]]))
         else:
             params.append(p)
-    outs, overlapped = _compare(make_llm, tiny_model_dir, params, max_num_seqs=16)
+    outs, overlapped = _compare(make_llm, tiny_model_dir, params, max_num_seqs=8)
     assert overlapped > 0
     assert any(c.finish_reason == "stop" for o in outs for c in o.outputs)
     assert any(len(o.outputs) == 3 for o in outs)
@@ -141,7 +141,7 @@ def test_a_speculative_proposer_runs_synchronously(make_llm, tiny_model_dir):
 def test_aborting_a_request_whose_step_is_in_flight(make_llm, tiny_model_dir):
     """A request aborted while its step runs is dropped when the step's draws are read; the
     others finish as they would, and every block is free after (the leak check)."""
-    llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=1)
+    llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=1, max_num_seqs=8)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in PROMPTS[:3]]
@@ -191,8 +191,10 @@ def test_a_fault_at_launch_is_isolated(make_llm, tiny_model_dir):
 def test_multi_step_calls_beside_async_steps(make_llm, tiny_model_dir):
     """With `num_scheduler_steps` 4 too, multi-step calls (nothing waiting, all greedy) run
     synchronously after the step in flight is read; the rest overlap. Outputs as without."""
-    ref, _ = _generate(make_llm, tiny_model_dir, GREEDY, False, max_num_seqs=2)
-    llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=4, max_num_seqs=2)
+    # prompts chunked over several steps (they overlap), then decodes alone (multi-step calls)
+    ref, _ = _generate(make_llm, tiny_model_dir, GREEDY, False, max_num_seqs=8)
+    llm = make_llm(tiny_model_dir, async_scheduling=True, num_scheduler_steps=4, max_num_seqs=8,
+                   max_num_batched_tokens=16)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_same_outputs(outs, ref)
     runner = llm.llm_engine.runner

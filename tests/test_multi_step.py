@@ -15,13 +15,30 @@ from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.core.sequence import Sequence
 from jaxpaged.sample.sampler import SampledToken
-from output_utils import assert_same_outputs
+from output_utils import assert_idle, assert_same_outputs
 
 K = 4
 PROMPTS = [{"prompt_token_ids": ids} for ids in (
     [5, 6, 7, 8, 9, 10], list(range(3, 43)), [42] * 9, [7, 8, 9], list(range(100, 170)),
     [11, 12])]
 MAX_TOKENS = [9, 17, 3, 30, 12, 22]
+
+
+@pytest.fixture(scope="module")
+def single_step_llm(tiny_model_dir):
+    """One engine decoding one step a call (max_num_seqs 8): the references of the tests below
+    that run at those limits. No prefix cache: each reference computes its prompts afresh, as
+    the multi-step engine it is compared with (logprobs are compared exactly)."""
+    from jaxpaged import LLM
+    return LLM(tiny_model_dir, max_model_len=256, num_kv_blocks=256, max_num_seqs=8,
+               num_scheduler_steps=1, enable_prefix_caching=False, precompile=False)
+
+
+def _single_steps(llm, params):
+    """The outputs of `llm` (one step a call) for PROMPTS[:len(params)], leak-checked."""
+    outs = llm.generate(PROMPTS[:len(params)], params, use_tqdm=False)
+    assert_idle(llm)
+    return outs
 
 
 def _generate(make_llm, model_dir, params, k, **kwargs):
@@ -34,14 +51,13 @@ def _generate(make_llm, model_dir, params, k, **kwargs):
 
 # A plain batch is tests/test_step_modes.py's k-step case.
 @pytest.mark.parametrize("options", [
-    # a queue (2 seats) and prompts chunked over several steps
-    dict(max_num_seqs=2, max_num_batched_tokens=16, long_prefill_token_threshold=8),
-    # 7 blocks of 16 tokens for 6 sequences of up to 82: lookahead that does not fit, and a
-    # preemption (asserted below)
-    dict(max_num_seqs=8, num_kv_blocks=7, max_model_len=96),
+    # a queue (2 seats), prompts chunked over several steps, and 7 blocks of 16 tokens for
+    # sequences of up to 82: lookahead that does not fit, and a preemption (asserted below)
+    dict(max_num_seqs=2, max_num_batched_tokens=16, long_prefill_token_threshold=8,
+         num_kv_blocks=7, max_model_len=96),
     # an 8-bit pool (codes and scales carried through the scan) and W8A8 weights
     dict(max_num_seqs=8, kv_cache_dtype="int8", quantization="w8a8"),
-], ids=["queue-and-chunks", "preemption", "8-bit"])
+], ids=["queue-chunks-and-preemption", "8-bit"])
 def test_multi_step_gives_the_outputs_of_single_steps(make_llm, tiny_model_dir, options):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     ref, ran = _generate(make_llm, tiny_model_dir, params, 1, **options)
@@ -53,11 +69,11 @@ def test_multi_step_gives_the_outputs_of_single_steps(make_llm, tiny_model_dir, 
         assert make_llm.built[-1].llm_engine.scheduler.num_preemptions > 0
 
 
-def test_multi_step_stops_where_single_steps_stop(make_llm, tiny_model_dir):
+def test_multi_step_stops_where_single_steps_stop(make_llm, tiny_model_dir, single_step_llm):
     """Stop tokens and stop strings met inside a multi-step call end the output at the same
     token, the text cut as before; the draws after it are dropped."""
     base = [SamplingParams(temperature=0, max_tokens=m) for m in MAX_TOKENS]
-    free, _ = _generate(make_llm, tiny_model_dir, base, 1, max_num_seqs=8)
+    free = _single_steps(single_step_llm, base)
     params = []
     for i, (o, p) in enumerate(zip(free, base)):
         ids, text = o.outputs[0].token_ids, o.outputs[0].text
@@ -69,25 +85,26 @@ def test_multi_step_stops_where_single_steps_stop(make_llm, tiny_model_dir):
                                          stop=[text[len(text) // 2:len(text) // 2 + 3]]))
         else:
             params.append(p)
-    ref, _ = _generate(make_llm, tiny_model_dir, params, 1, max_num_seqs=8)
+    ref = _single_steps(single_step_llm, params)
     outs, ran = _generate(make_llm, tiny_model_dir, params, K, max_num_seqs=8)
     assert ran
     assert_same_outputs(outs, ref)
     assert any(o.outputs[0].finish_reason == "stop" for o in ref)
 
 
-def test_multi_step_decodes_forked_completions(make_llm, tiny_model_dir):
+def test_multi_step_decodes_forked_completions(make_llm, tiny_model_dir, single_step_llm):
     """n = 3 greedy completions share their prompt's blocks: the lookahead slots copy the
     shared last block (copy-on-write) before the call, and each completion equals the others."""
     params = [SamplingParams(temperature=0, n=3, max_tokens=13, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)]
-    ref, _ = _generate(make_llm, tiny_model_dir, params, 1, max_num_seqs=8)
+    ref = _single_steps(single_step_llm, params)
     outs, ran = _generate(make_llm, tiny_model_dir, params, K, max_num_seqs=8)
     assert ran
     assert_same_outputs(outs, ref)
 
 
-def test_requests_that_sample_run_single_steps_beside_greedy_ones(make_llm, tiny_model_dir):
+def test_requests_that_sample_run_single_steps_beside_greedy_ones(make_llm, tiny_model_dir,
+                                                                 single_step_llm):
     """Seeded sampling, logprobs and min_tokens need the sampler: a batch holding such a
     request decodes one step at a time (the same outputs as without multi-step), and greedy
     requests alone run several in a row."""
@@ -95,7 +112,7 @@ def test_requests_that_sample_run_single_steps_beside_greedy_ones(make_llm, tiny
               SamplingParams(temperature=0, logprobs=2, max_tokens=14, ignore_eos=True),
               SamplingParams(temperature=0, min_tokens=3, max_tokens=14, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
-    ref, _ = _generate(make_llm, tiny_model_dir, params, 1, max_num_seqs=8)
+    ref = _single_steps(single_step_llm, params)
     outs, ran = _generate(make_llm, tiny_model_dir, params, K, max_num_seqs=8)
     assert_same_outputs(outs, ref)
     assert outs[1].outputs[0].logprobs == ref[1].outputs[0].logprobs

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from conftest import TINY_CONFIG, copy_tokenizer
 from jaxpaged import SamplingParams
 from jaxpaged.engine.async_llm_engine import AsyncLLMEngine
+from output_utils import assert_idle
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["Hello, my name is", "The capital of France is", "Once upon a time, " * 6]
@@ -33,6 +34,27 @@ def other_model_dir(tmp_path_factory, tiny_model_dir):
     LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)).save_pretrained(path)
     copy_tokenizer(tiny_model_dir, path)
     return path
+
+
+# tiny_llm's limits: engines built in the tests reuse its programs
+LIMITS = dict(max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def other_llm(other_model_dir):
+    """An engine serving `other_model_dir` (tiny_llm's limits), read by the tests: the
+    weights and greedy outputs an update should give. Leak-checked after each test."""
+    from jaxpaged import LLM
+    return LLM(other_model_dir, max_model_len=256, num_kv_blocks=256, precompile=False,
+               **LIMITS)
+
+
+@pytest.fixture(autouse=True)
+def other_llm_leaks(request):
+    """After each test that used `other_llm`: every block free, nothing queued."""
+    yield
+    if "other_llm" in request.fixturenames:
+        assert_idle(request.getfixturevalue("other_llm"))
 
 
 def greedy_ids(llm, params=GREEDY):
@@ -58,8 +80,8 @@ def compiles():
 # -- weights in ------------------------------------------------------------------------------
 
 def test_update_params_serves_another_checkpoint_without_compiling(
-        make_llm, tiny_model_dir, other_model_dir, compiles):
-    llm, other = make_llm(tiny_model_dir), make_llm(other_model_dir)
+        make_llm, tiny_model_dir, other_llm, compiles):
+    llm, other = make_llm(tiny_model_dir, **LIMITS), other_llm
     before, want = greedy_ids(llm), greedy_ids(other)
     assert before != want
     n = compiles.count
@@ -68,12 +90,12 @@ def test_update_params_serves_another_checkpoint_without_compiling(
     assert compiles.count == n  # neither the update nor the step after it compiled
     # NumPy leaves in the pure nested dict form serve as well
     llm.update_params(jax.tree.map(np.asarray, nnx.to_pure_dict(
-        make_llm(tiny_model_dir).get_params())))
+        make_llm(tiny_model_dir, **LIMITS).get_params())))
     assert greedy_ids(llm) == before
 
 
-def test_update_params_drops_the_prefix_cache(make_llm, tiny_model_dir, other_model_dir):
-    llm, other = make_llm(tiny_model_dir), make_llm(other_model_dir)
+def test_update_params_drops_the_prefix_cache(make_llm, tiny_model_dir, other_llm):
+    llm, other = make_llm(tiny_model_dir, **LIMITS), other_llm
     long = {"prompt_token_ids": list(range(100, 160))}
     llm.generate(long, GREEDY, use_tqdm=False)  # its blocks are cached
     llm.update_params(other.get_params())
@@ -93,18 +115,18 @@ def test_update_params_drops_the_prefix_cache(make_llm, tiny_model_dir, other_mo
      r"'norm.weight' is float16\[64\], the engine's is float32\[64\]"),
 ])
 def test_a_bad_update_raises_and_the_old_weights_keep_serving(make_llm, tiny_model_dir,
-                                                              other_model_dir, change, message):
-    llm = make_llm(tiny_model_dir)
+                                                              other_llm, change, message):
+    llm = make_llm(tiny_model_dir, **LIMITS)
     before = greedy_ids(llm)
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(make_llm(other_model_dir).get_params()))
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(other_llm.get_params()))
     change(params)
     with pytest.raises(ValueError, match=message):
         llm.update_params(params)
     assert greedy_ids(llm) == before
 
 
-def test_load_weights_with_hf_names(make_llm, tiny_model_dir, other_model_dir, compiles):
-    llm, other = make_llm(tiny_model_dir), make_llm(other_model_dir)
+def test_load_weights_with_hf_names(make_llm, tiny_model_dir, other_model_dir, other_llm, compiles):
+    llm, other = make_llm(tiny_model_dir, **LIMITS), other_llm
     before, want = greedy_ids(llm), greedy_ids(other)
     tensors = load_file(other_model_dir / "model.safetensors")
     n = compiles.count
@@ -115,7 +137,7 @@ def test_load_weights_with_hf_names(make_llm, tiny_model_dir, other_model_dir, c
     mine = load_file(tiny_model_dir / "model.safetensors")
     subset = {k: v for k, v in mine.items() if "layers.1." in k or "q_proj" in k}
     llm.load_weights(subset.items())
-    expected = make_llm(other_model_dir)
+    expected = make_llm(other_model_dir, **LIMITS)
     expected.load_weights(subset.items())
     assert greedy_ids(llm) == greedy_ids(expected) not in (before, want)
     # bfloat16 tensors (as HF checkpoints often are) are cast to the engine's dtype
@@ -131,8 +153,8 @@ def test_load_weights_with_hf_names(make_llm, tiny_model_dir, other_model_dir, c
         llm.load_weights([("vision_tower.weight", np.zeros(3))])
 
 
-def test_async_engine_updates_between_steps(make_llm, tiny_model_dir, other_model_dir):
-    llm, other = make_llm(tiny_model_dir), make_llm(other_model_dir)
+def test_async_engine_updates_between_steps(make_llm, tiny_model_dir, other_model_dir, other_llm):
+    llm, other = make_llm(tiny_model_dir, **LIMITS), other_llm
     want = greedy_ids(other)
 
     async def main():
@@ -163,7 +185,7 @@ def hf_teacher_forced(model_dir, prompt, completion) -> np.ndarray:
 def test_completion_logprobs_equal_transformers(make_llm, tiny_model_dir):
     # A 32-token budget chunks the longer pairs; the completions of one prompt share its
     # blocks through the prefix cache (hits counted).
-    llm = make_llm(tiny_model_dir, max_num_batched_tokens=32)
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=32, **LIMITS)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 49152, 40).tolist()
     completions = [rng.integers(0, 49152, n).tolist() for n in (1, 7, 33, 60)]
@@ -233,7 +255,7 @@ def live_bytes() -> int:
 
 
 def test_sleep_releases_the_pool_then_the_weights(make_llm, tiny_model_dir):
-    llm = make_llm(tiny_model_dir, num_kv_blocks=512)
+    llm = make_llm(tiny_model_dir, num_kv_blocks=512, **LIMITS)
     before_ids = greedy_ids(llm)
     runner = llm.llm_engine.runner
     pool = runner.kv_cache.nbytes
@@ -255,8 +277,8 @@ def test_sleep_releases_the_pool_then_the_weights(make_llm, tiny_model_dir):
         llm.sleep(3)
 
 
-def test_update_params_while_asleep(make_llm, tiny_model_dir, other_model_dir):
-    llm, other = make_llm(tiny_model_dir), make_llm(other_model_dir)
+def test_update_params_while_asleep(make_llm, tiny_model_dir, other_llm):
+    llm, other = make_llm(tiny_model_dir, **LIMITS), other_llm
     want = greedy_ids(other)
     llm.sleep(2)
     llm.update_params(jax.tree.map(np.asarray, nnx.to_pure_dict(other.get_params())))
@@ -267,7 +289,7 @@ def test_update_params_while_asleep(make_llm, tiny_model_dir, other_model_dir):
 # -- one model for training and inference ----------------------------------------------------
 
 def test_dense_forward_equals_the_engine_and_trains(make_llm, tiny_model_dir):
-    llm = make_llm(tiny_model_dir)
+    llm = make_llm(tiny_model_dir, **LIMITS)
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 49152, n).tolist() for n in (20, 12)]
     ids, mask = np.zeros((2, 20), np.int32), np.zeros((2, 20), bool)
@@ -298,10 +320,10 @@ def test_dense_forward_equals_the_engine_and_trains(make_llm, tiny_model_dir):
 # -- what a review found ---------------------------------------------------------------------
 
 def test_blocks_computed_across_an_update_are_never_cached(make_llm, tiny_model_dir,
-                                                           other_model_dir):
+                                                           other_llm):
     """A request still running when the weights change goes on filling blocks over the old
     weights' context: none of them may serve a later request."""
-    llm, other = make_llm(tiny_model_dir), make_llm(other_model_dir)
+    llm, other = make_llm(tiny_model_dir, **LIMITS), other_llm
     engine = llm.llm_engine
     prompt = {"prompt_token_ids": list(range(500, 540))}
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -323,8 +345,8 @@ def test_blocks_computed_across_an_update_are_never_cached(make_llm, tiny_model_
         assert out.outputs[0].token_ids == want
 
 
-def test_update_params_copies_what_it_is_given(make_llm, tiny_model_dir, other_model_dir):
-    llm, other = make_llm(tiny_model_dir), make_llm(other_model_dir)
+def test_update_params_copies_what_it_is_given(make_llm, tiny_model_dir, other_llm):
+    llm, other = make_llm(tiny_model_dir, **LIMITS), other_llm
     want = greedy_ids(other)
     given = jax.tree.map(lambda x: x + 0, other.get_params())  # the caller's own arrays
     llm.update_params(given)
@@ -333,8 +355,9 @@ def test_update_params_copies_what_it_is_given(make_llm, tiny_model_dir, other_m
     assert greedy_ids(llm) == want
     with pytest.raises(ValueError, match="is a deleted array"):
         llm.update_params(given)
-    host = jax.tree.map(np.array, nnx.to_pure_dict(make_llm(tiny_model_dir).get_params()))
-    before = greedy_ids(make_llm(tiny_model_dir))
+    host = jax.tree.map(np.array, nnx.to_pure_dict(
+        make_llm(tiny_model_dir, **LIMITS).get_params()))
+    before = greedy_ids(make_llm(tiny_model_dir, **LIMITS))
     llm.update_params(host)
     host["norm"]["weight"][:] = 0  # changing the NumPy arrays afterwards changes nothing served
     assert greedy_ids(llm) == before
@@ -371,7 +394,7 @@ def test_completion_logprobs_takes_arrays_and_names_the_field(tiny_llm):
 def test_a_failed_scoring_raises(make_llm, tiny_model_dir):
     from jaxpaged.errors import RequestFailedError
 
-    llm = make_llm(tiny_model_dir)
+    llm = make_llm(tiny_model_dir, **LIMITS)
     runner = llm.llm_engine.runner
 
     def fault(out):
@@ -386,7 +409,7 @@ def test_a_failed_scoring_raises(make_llm, tiny_model_dir):
 
 
 def test_load_weights_input_errors(make_llm, tiny_model_dir):
-    llm = make_llm(tiny_model_dir)
+    llm = make_llm(tiny_model_dir, **LIMITS)
     tensors = load_file(tiny_model_dir / "model.safetensors")
     llm.load_weights(tensors)  # a dict works as its items
     with pytest.raises(ValueError, match="'model.norm.weight' is int32, not a float array"):

@@ -13,6 +13,7 @@ from jaxpaged import SamplingParams
 from jaxpaged.spec_decode import SpeculativeConfig, ngram_proposal
 
 from conftest import TINY_CONFIG, copy_tokenizer
+from output_utils import assert_idle
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
@@ -91,12 +92,19 @@ def vocab64_model_dir(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def greedy_reference(vocab64_model_dir):
+def plain_llm(vocab64_model_dir):
+    """The 64-token model without speculation (make_llm's limits): the reference outputs."""
     from jaxpaged import LLM
 
-    llm = LLM(vocab64_model_dir, max_model_len=256, num_kv_blocks=256, precompile=False)
-    return _ids(llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0,
-                                                     ignore_eos=True), use_tqdm=False))
+    return LLM(vocab64_model_dir, max_model_len=256, num_kv_blocks=256, precompile=False)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(plain_llm):
+    outs = plain_llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0,
+                                                      ignore_eos=True), use_tqdm=False)
+    assert_idle(plain_llm)
+    return _ids(outs)
 
 
 @pytest.mark.parametrize("case", ["chunked batch", "preempted", "prefix cache"])
@@ -127,10 +135,10 @@ def test_ngram_greedy_ids_equal_no_speculation(vocab64_model_dir, make_llm, gree
     assert m.spec_mean_accepted_length == 1 + m.spec_num_accepted_tokens / m.spec_num_drafts
 
 
-def test_ngram_with_logprobs_stop_strings_and_n(vocab64_model_dir, make_llm):
+def test_ngram_with_logprobs_stop_strings_and_n(vocab64_model_dir, make_llm, plain_llm):
     """Logprobs, a stop string met inside a step's accepted tokens, and n > 1 come out as
     without speculation."""
-    plain = make_llm(vocab64_model_dir)
+    plain = plain_llm
     spec = make_llm(vocab64_model_dir, speculative_config=NGRAM)
     tokenizer = plain.get_tokenizer()
     stop = "#####"  # PROMPTS[1] goes on with a run of "#" tokens, which n-grams predict
@@ -148,6 +156,7 @@ def test_ngram_with_logprobs_stop_strings_and_n(vocab64_model_dir, make_llm):
     assert b[1].outputs[0].text == a[1].outputs[0].text and b[1].outputs[0].stop_reason == stop
     assert len(tokenizer.decode(b[1].outputs[0].token_ids)) >= len(b[1].outputs[0].text)
     assert len(b[2].outputs) == 2 and all(len(c.token_ids) == 20 for c in b[2].outputs)
+    assert_idle(plain)
 
 
 def test_seeded_sampling_is_the_same_draw_in_batch_invariant_mode(vocab64_model_dir, make_llm):
