@@ -18,6 +18,11 @@ from jaxpaged.pallas_kernels.ragged_paged_attention import (
     BLOCK_Q, max_query_tiles, query_tiles, ragged_paged_attention,
     ragged_paged_attention_reference)
 
+# The references jitted: one compilation per shape and option, where run eagerly each of their
+# operations compiles for each shape.
+STATIC = ("scale", "soft_cap", "sliding_window")
+paged_reference = jax.jit(paged_attention_reference, static_argnames=STATIC)
+ragged_reference = jax.jit(ragged_paged_attention_reference, static_argnames=STATIC)
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 # (q heads per KV head, head_dim, block_size, dtype): every ratio, head dim, block size and dtype
 # appears, without the full cross product (each interpreted kernel takes seconds).
@@ -56,7 +61,7 @@ def test_decode_kernel_matches_reference(group, head_dim, block_size, dtype):
     bt = block_tables_for(rng, B, M, B * M + 2)
     cl = jnp.asarray(context_lens + [0], jnp.int32)
     kw = dict(scale=head_dim ** -0.5)
-    ref = paged_attention_reference(q, k_pages, v_pages, bt, cl, **kw)
+    ref = paged_reference(q, k_pages, v_pages, bt, cl, **kw)
     # The launch's tunables (`bench/gpu_e2e.py` sweeps them): splits, and keys per iteration
     # from one block to several (64 keys: 4 blocks of 16, 8 of 8; 3 blocks round down to 2).
     for k_splits, tokens_per_iter in ((1, None), (3, None), (1, 64), (2, 3 * S)):
@@ -87,7 +92,7 @@ def test_ragged_kernel_matches_reference(group, head_dim, block_size, dtype):
     args, num_real = ragged_case(rng, group, head_dim, block_size, dtype)
     kw = dict(scale=head_dim ** -0.5)
     out = ragged_paged_attention(*args, interpret=True, **kw)
-    ref = ragged_paged_attention_reference(*args, **kw)
+    ref = ragged_reference(*args, **kw)
     assert_close(out[:num_real], ref[:num_real], dtype)
 
 
@@ -97,12 +102,11 @@ def test_soft_cap_and_sliding_window(soft_cap, sliding_window):
     kw = dict(scale=0.125, soft_cap=soft_cap, sliding_window=sliding_window)
     args, num_real = ragged_case(rng, 3, 64, 16, jnp.float32)
     out = ragged_paged_attention(*args, interpret=True, **kw)
-    assert_close(out[:num_real], ragged_paged_attention_reference(*args, **kw)[:num_real],
-                 jnp.float32)
+    assert_close(out[:num_real], ragged_reference(*args, **kw)[:num_real], jnp.float32)
     q, k_pages, v_pages, bt, cl = args[0][:6], *args[1:5]
     cl = cl.at[-1].set(90)
     out = paged_attention(q, k_pages, v_pages, bt, cl, k_splits=2, interpret=True, **kw)
-    assert_close(out, paged_attention_reference(q, k_pages, v_pages, bt, cl, **kw), jnp.float32)
+    assert_close(out, paged_reference(q, k_pages, v_pages, bt, cl, **kw), jnp.float32)
 
 
 def test_unwritten_rows_stay_poisoned():
@@ -132,11 +136,11 @@ def test_packed_mix_with_padding_and_unused_rows(block_size, soft_cap, sliding_w
     args = (q, k_pages, v_pages, bt, cl, jnp.asarray(cu))
     kw = dict(scale=H ** -0.5, soft_cap=soft_cap, sliding_window=sliding_window)
     out = np.asarray(ragged_paged_attention(*args, jnp.int32(num_seqs), interpret=True, **kw))
-    ref = ragged_paged_attention_reference(*args, num_seqs, **kw)
+    ref = ragged_reference(*args, num_seqs, **kw)
     assert_close(out[:num_real], ref[:num_real], jnp.float32)
     assert np.isnan(out[num_real:]).all()  # padding and unused rows: no program wrote them
     if sliding_window is not None:  # the window really cuts: the output differs without it
-        full = ragged_paged_attention_reference(*args, num_seqs, **{**kw, "sliding_window": None})
+        full = ragged_reference(*args, num_seqs, **{**kw, "sliding_window": None})
         assert np.abs(np.asarray(full[:num_real]) - out[:num_real]).max() > 1e-3
 
 

@@ -41,6 +41,14 @@ FAMILIES = {  # name -> (config class, block attribute path, config overrides, o
 }
 
 
+# Jitted: one compilation per shape (and path, tile), where run eagerly each operation compiles
+# for each shape.
+route = jax.jit(moe.route, static_argnums=1)
+experts_forward = jax.jit(moe.experts_forward, static_argnums=5, static_argnames="path")
+experts_dense = jax.jit(moe.experts_dense, static_argnums=5)
+experts_grouped = jax.jit(moe.experts_grouped, static_argnums=5, static_argnames="tile")
+
+
 def hf_block(name: str):
     """(HF's MoE block of a random one-layer model of the family, our Routing)."""
     import torch
@@ -75,9 +83,9 @@ def ours(block, x, routing, path):
     w = router.weight.detach().numpy()  # [E, D]
     gate_up = np.swapaxes(block.experts.gate_up_proj.detach().numpy(), 1, 2)  # [E, D, 2F]
     down = np.swapaxes(block.experts.down_proj.detach().numpy(), 1, 2)  # [E, F, D]
-    weights, ids = moe.route(jnp.asarray(x) @ jnp.asarray(w).T, routing)
-    out = moe.experts_forward(jnp.asarray(x), weights, ids, jnp.asarray(gate_up),
-                              jnp.asarray(down), ACTIVATIONS["silu"], path=path)
+    weights, ids = route(jnp.asarray(x) @ jnp.asarray(w).T, routing)
+    out = experts_forward(jnp.asarray(x), weights, ids, jnp.asarray(gate_up),
+                          jnp.asarray(down), ACTIVATIONS["silu"], path=path)
     return np.asarray(ids), np.asarray(out)
 
 
@@ -105,9 +113,9 @@ def test_grouped_path_with_unused_experts_and_one_expert_for_all():
     act = ACTIVATIONS["silu"]
     for ids in (np.full((T, k), 3), rng.integers(0, E - 1, (T, k))):
         ids = jnp.asarray(ids, jnp.int32)
-        ref = moe.experts_dense(x, weights, ids, gate_up, down, act)
+        ref = experts_dense(x, weights, ids, gate_up, down, act)
         for tile in (1, 4, 32, 128):
-            out = moe.experts_grouped(x, weights, ids, gate_up, down, act, tile=tile)
+            out = experts_grouped(x, weights, ids, gate_up, down, act, tile=tile)
             np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
 
 
@@ -151,7 +159,7 @@ def test_the_kernel_equals_the_dense_path_on_float_and_int8_experts(num_tokens):
         kernel = jax.jit(lambda x, w, i: moe.experts_forward(x, w, i, *experts, act, "kernel",
                                                              scales=scales))
         out = kernel(x, weights, ids)
-        ref = moe.experts_dense(x, weights, ids, *dense, act)
+        ref = experts_dense(x, weights, ids, *dense, act)
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * float(jnp.max(abs(ref))))
         for t in {0, num_tokens // 2, num_tokens - 1}:
             alone = kernel(x[t:t + 1], weights[t:t + 1], ids[t:t + 1])

@@ -4,6 +4,8 @@ blocks, the C++ kernel's block product against the exact integer sums, the paths
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,11 +74,17 @@ def test_q8_0_names_a_layer_it_cannot_hold():
         quantize_model(Block(), "q8_0")
 
 
+# Jitted: one compilation per shape, where run eagerly each operation compiles for each shape.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _operands(M, N, K):
     kx, kw = jax.random.split(jax.random.key(M * N + K))
     x = jax.random.normal(kx, (M, K)) * jnp.linspace(0.1, 8, K)[None, :]
     w, dw = quantize_q8_0(jax.random.normal(kw, (N, K)) * 0.05)
     return x, w, dw
+
+
+quantize = jax.jit(quantize_q8_0)
+dot_reference = jax.jit(q8_0_dot_reference)
 
 
 SHAPES = [(1, 200, 576), (2, 37, 32), (3, 64, 1536), (5, 130, 96), (9, 70, 160), (33, 72, 64)]
@@ -89,7 +97,7 @@ def test_q8_0_block_product_equals_the_exact_block_sums(M, N, K):
     products' magnitudes: 2 (blocks + 19) roundings of sum_b s_b sum_k |xq w| (the VNNI path
     scales its 16 lanes' partial sums of a block before adding them)."""
     x, w, dw = _operands(M, N, K)
-    xq, dx = quantize_q8_0(x)
+    xq, dx = quantize(x)
     B = K // 32
     xb = np.asarray(xq, np.int64).reshape(M, B, 32)
     wb = np.asarray(w, np.int64).reshape(N, B, 32)
@@ -97,7 +105,7 @@ def test_q8_0_block_product_equals_the_exact_block_sums(M, N, K):
     exact = (np.einsum("mbk,nbk->mnb", xb, wb) * scales).sum(-1)
     size = (np.einsum("mbk,nbk->mnb", np.abs(xb), np.abs(wb)) * scales).sum(-1)
     bound = 2 * (B + 19) * 2.0 ** -24 * size + 1e-30
-    paths = [q8_0_dot_reference(xq, dx, w, dw)]
+    paths = [dot_reference(xq, dx, w, dw)]
     if cpu_attention.available():
         paths += [q8_0_dot_kernel(xq, dx, w, dw, portable=p) for p in (False, True)]
     for got in paths:
@@ -111,7 +119,7 @@ def test_q8_0_matmul_is_within_the_activations_bound_of_the_float_product(M, N, 
     x, w, dw = _operands(M, N, K)
     values = np.asarray(dequantize_q8_0(w, dw), np.float64)
     ref = np.asarray(x, np.float64) @ values.T
-    _, dx = quantize_q8_0(x)
+    _, dx = quantize(x)
     steps = np.repeat(np.asarray(dx, np.float64), 32, axis=1)  # each value's step
     bound = steps / 2 @ np.abs(values).T + 1e-5 * (np.abs(np.asarray(x)) @ np.abs(values).T)
     for kw in ([dict()] + ([dict(use_kernel=True)] if cpu_attention.available() else [])):

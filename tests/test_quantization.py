@@ -78,6 +78,11 @@ W8A8_SHAPES = [(1, 200, 576), (2, 37, 29), (3, 64, 1536), (4, 64, 16), (7, 130, 
                (33, 72, 1536), (64, 70, 30), (100, 576, 576), (257, 200, 96)]
 
 
+# Jitted: one compilation per shape, where run eagerly each operation compiles for each shape.
+quantize, pack, dot_reference = map(jax.jit, (quantize_int8, pack_int8, int8_dot_reference))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _w8a8_operands(M, N, K):
     kx, kw = jax.random.split(jax.random.key(M * N + K))
     x = jax.random.normal(kx, (M, K)) * jnp.linspace(0.1, 8, M)[:, None]
@@ -92,12 +97,12 @@ def test_int8_dot_is_the_exact_integer_sum_on_every_path(M, N, K):
     portable paths on the packed weights at any row count) equals their product summed exactly
     (int64 in NumPy)."""
     x, w, _ = _w8a8_operands(M, N, K)
-    xq, _ = quantize_int8(x)
+    xq, _ = quantize(x)
     exact = np.asarray(xq, np.int64) @ np.asarray(w, np.int64).T
     assert np.abs(exact).max() < 2 ** 31
-    np.testing.assert_array_equal(int8_dot_reference(xq, w), exact)
+    np.testing.assert_array_equal(dot_reference(xq, w), exact)
     if cpu_attention.available():
-        wp, wsum = pack_int8(w)
+        wp, wsum = pack(w)
         for portable in (False, True):
             np.testing.assert_array_equal(int8_dot_kernel(xq, wp, wsum, N, portable=portable),
                                           exact)
@@ -126,7 +131,7 @@ def test_w8a8_matmul_equals_its_terms_and_the_float_product_within_the_bound(M, 
     x, w, scale = _w8a8_operands(M, N, K)
     got = np.asarray(w8a8_matmul(x, w, scale, terms=terms))
     if cpu_attention.available():
-        wp, wsum = pack_int8(w)
+        wp, wsum = pack(w)
         for portable in (False, True):
             np.testing.assert_array_equal(
                 w8a8_matmul(x, wp, scale, wsum, terms=terms, portable=portable), got)
@@ -218,6 +223,12 @@ def _quantized(pages, kind):
 QUANT_TOL = {"int8": 0.02, "fp8": 0.1}
 
 
+# The references jitted: one compilation per shape, where run eagerly each of their operations
+# compiles for each shape.
+paged_reference = jax.jit(paged_attention_reference, static_argnames="scale")
+ragged_reference = jax.jit(ragged_paged_attention_reference, static_argnames="scale")
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("backend", ["xla", "cpu", "pallas-decode", "pallas-ragged"])
 def test_attention_backends_read_the_8bit_pool(kind, backend):
@@ -238,8 +249,7 @@ def test_attention_backends_read_the_8bit_pool(kind, backend):
         run = functools.partial(paged_attention, q, block_tables=block_tables,
                                 context_lens=seq_lens, scale=scale, interpret=True)
         got = run(kc, vc, k_scales=ks, v_scales=vs)
-        ref = lambda kp, vp: paged_attention_reference(q, kp, vp, block_tables, seq_lens,
-                                                       scale=scale)
+        ref = lambda kp, vp: paged_reference(q, kp, vp, block_tables, seq_lens, scale=scale)
     else:
         q_lens = (3, 1)  # a prompt chunk and a decode
         cu = jnp.array([0, 3, 4], jnp.int32)
@@ -253,8 +263,8 @@ def test_attention_backends_read_the_8bit_pool(kind, backend):
         else:  # the C++ kernel: cached blocks in a flat list, new tokens as arguments
             got = _cpu_attention(q, kc, vc, ks, vs, k_deq, v_deq, block_tables, seq_lens,
                                  q_lens, kind, scale)
-        ref = lambda kp, vp: ragged_paged_attention_reference(
-            q, kp, vp, block_tables, seq_lens, cu, 2, scale=scale)[:4]
+        ref = lambda kp, vp: ragged_reference(q, kp, vp, block_tables, seq_lens, cu, 2,
+                                              scale=scale)[:4]
     np.testing.assert_allclose(got, ref(k_deq, v_deq), rtol=2e-5, atol=2e-5)
     exact = ref(k_pages, v_pages)
     err = float(jnp.max(jnp.abs(got - exact)) / jnp.max(jnp.abs(exact)))

@@ -106,24 +106,28 @@ def test_routes_through_chunks_prefix_hits_forks_and_preemption(make_llm, moe_mo
     path, model = moe_model
     params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=MAX_TOKENS,
                             ignore_eos=True, return_routed_experts=True)
+    # Both engines take steps of at most 8 tokens, so that they compile the same few sizes.
     chunked = make_llm(path, max_num_batched_tokens=8, enable_prefix_caching=True,
                        block_size=4)
-    small = make_llm(path, block_size=4, num_kv_blocks=12, max_model_len=48, max_num_seqs=4)
+    small = make_llm(path, block_size=4, num_kv_blocks=12, max_model_len=48, max_num_seqs=4,
+                     max_num_batched_tokens=8)
     for llm, rounds in ((chunked, 2), (small, 1)):
-        for _ in range(rounds):
+        for round_ in range(rounds):
             outs = generate(llm, params)
             for out in outs:
                 for completion in out.outputs:
                     check_routes(model, completion, out.prompt_token_ids)
+            if round_ == 1:  # the second round: from the prefix cache
+                assert all(out.num_cached_tokens >= 4 for out in outs)
+    assert max(len(out.prompt_token_ids) for out in outs) > 8  # chunked
     assert small.stats()["num_preemptions"] > 0
     # A prompt that continues a forked completion: its cached blocks include the one the fork
     # copied on write, whose earlier tokens' routes were copied with its KV.
-    forked = make_llm(path, enable_prefix_caching=True, block_size=4)
-    first = generate(forked, params, PROMPTS[:1])[0]
+    first = generate(chunked, params, PROMPTS[:1])[0]
     assert len(first.prompt_token_ids) % 4  # the prompt's last block is shared, then copied
     longer = [{"prompt_token_ids": first.prompt_token_ids + c.token_ids}
               for c in first.outputs]
-    for out in generate(forked, dataclasses.replace(params, n=1), longer):
+    for out in generate(chunked, dataclasses.replace(params, n=1), longer):
         assert out.num_cached_tokens >= len(first.prompt_token_ids) + 4
         check_routes(model, out.outputs[0], out.prompt_token_ids)
 
