@@ -146,7 +146,9 @@ def tiny_llm(tiny_model_dir):
 
 @pytest.fixture(autouse=True)
 def no_leaks(request):
-    """After each test that used `tiny_llm`: every block free, nothing queued."""
+    """After each test, in every shared engine it used (`tiny_llm`, and the module-scoped engine
+    fixtures its module names in `SHARED_ENGINES`): every block free, nothing queued."""
     yield
-    if "tiny_llm" in request.fixturenames:
-        assert_idle(request.getfixturevalue("tiny_llm"))
+    for name in ("tiny_llm", *getattr(request.module, "SHARED_ENGINES", ())):
+        if name in request.fixturenames:
+            assert_idle(request.getfixturevalue(name))

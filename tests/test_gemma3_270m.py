@@ -8,7 +8,6 @@ import importlib.util
 
 import pytest
 import torch
-from output_utils import assert_idle
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jaxpaged import LLM, SamplingParams
@@ -29,18 +28,13 @@ def gemma_dir():
     return resolve_model(GEMMA3_270M)
 
 
+SHARED_ENGINES = ("llm",)  # leak-checked after each test (conftest's no_leaks)
+
+
 @pytest.fixture(scope="module")
 def llm(gemma_dir):
     """One engine for both tests: room for the 1000-token prompt and all eight together."""
     return LLM(gemma_dir, max_model_len=1100, num_kv_blocks=600, precompile=False)
-
-
-@pytest.fixture(autouse=True)
-def llm_left_idle(request):
-    """After each test that used `llm`: every block free, nothing queued."""
-    yield
-    if "llm" in request.fixturenames:
-        assert_idle(request.getfixturevalue("llm"))
 
 
 def test_greedy_ids_equal_transformers(gemma_dir, llm):

@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from conftest import TINY_CONFIG, copy_tokenizer
 from jaxpaged import SamplingParams
 from jaxpaged.engine.async_llm_engine import AsyncLLMEngine
-from output_utils import assert_idle
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["Hello, my name is", "The capital of France is", "Once upon a time, " * 6]
@@ -38,6 +37,7 @@ def other_model_dir(tmp_path_factory, tiny_model_dir):
 
 # tiny_llm's limits: engines built in the tests reuse its programs
 LIMITS = dict(max_num_seqs=8)
+SHARED_ENGINES = ("other_llm",)  # leak-checked after each test (conftest's no_leaks)
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +47,6 @@ def other_llm(other_model_dir):
     from jaxpaged import LLM
     return LLM(other_model_dir, max_model_len=256, num_kv_blocks=256, precompile=False,
                **LIMITS)
-
-
-@pytest.fixture(autouse=True)
-def other_llm_leaks(request):
-    """After each test that used `other_llm`: every block free, nothing queued."""
-    yield
-    if "other_llm" in request.fixturenames:
-        assert_idle(request.getfixturevalue("other_llm"))
 
 
 def greedy_ids(llm, params=GREEDY):
