@@ -138,6 +138,8 @@ def main(argv=None) -> dict:
                    help="jaxpaged max_model_len (also the contiguous cache's reservation)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (jaxpaged, "
                    "hf-cb)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="jaxpaged's token budget per step (default: the engine's)")
     p.add_argument("--hf-batch-size", type=int, default=32, help="hf static batch size")
     p.add_argument("--seed", type=int, default=0, help="dataset seed; jaxpaged's request i is "
                    "sampled with seed + i")

@@ -36,7 +36,7 @@ def build_llm(requests, args, enable_prefix_caching: bool = True):
     max_len = max(len(r["prompt_token_ids"]) + r["output_len"] for r in requests)
     start = time.perf_counter()
     llm = LLM(args.model, max_model_len=max(max_len, args.max_model_len),
-              max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+              max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=enable_prefix_caching,
               precompile=args.warmup == "precompile", batch_invariant=args.batch_invariant,
               attention_backend=args.attention_backend,
