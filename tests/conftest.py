@@ -23,6 +23,10 @@ TINY_CONFIG = dict(  # GQA (4 query heads on 2 KV heads), untied embeddings
     bos_token_id=1, eos_token_id=2)
 
 
+# The SmolLM2 engines of test_structured_outputs, test_tool_calling and test_responses: the same
+# limits, so that an xdist worker running two of those modules compiles their programs once.
+DEFAULT_MODEL_LIMITS = dict(max_model_len=1024, num_kv_blocks=512)
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 

@@ -11,6 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from conftest import DEFAULT_MODEL_LIMITS
 from server_utils import ServerThread
 
 from jaxpaged import LLM
@@ -27,11 +28,11 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    # test_structured_outputs' and test_tool_calling's limits: one worker compiles them once.
-    llm = LLM(default_model_dir, precompile=False, max_model_len=1024, num_kv_blocks=512)
+    llm = LLM(default_model_dir, precompile=False, **DEFAULT_MODEL_LIMITS)
     with ServerThread(llm, "smollm2") as server:
         yield server
-    assert llm.llm_engine.block_manager.num_free_blocks == 512  # nothing leaked
+    # nothing leaked
+    assert llm.llm_engine.block_manager.num_free_blocks == DEFAULT_MODEL_LIMITS["num_kv_blocks"]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ import pytest
 from jaxpaged import SamplingParams
 from jaxpaged.sample.structured_outputs import StructuredOutputsParams
 
+from conftest import DEFAULT_MODEL_LIMITS
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -37,8 +39,7 @@ QUESTION = [{"role": "user", "content": "Describe a user of a website as a JSON 
 def llm(default_model_dir):
     from jaxpaged import LLM
 
-    # test_tool_calling's and test_responses' limits: one worker compiles them once.
-    return LLM(default_model_dir, precompile=False, max_model_len=1024, num_kv_blocks=512)
+    return LLM(default_model_dir, precompile=False, **DEFAULT_MODEL_LIMITS)
 
 
 def constrained(**kw) -> StructuredOutputsParams:

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from jaxpaged.server.tool_calls import (HermesParser, NamedFunction, RequiredCalls,
                                         ToolCallStream)
 
+from conftest import DEFAULT_MODEL_LIMITS
+
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "maxLength": 20},
                           "unit": {"enum": ["celsius", "fahrenheit"]},
@@ -125,8 +127,7 @@ def server(default_model_dir):
 
     from jaxpaged import LLM
 
-    # test_structured_outputs' and test_responses' limits: one worker compiles them once.
-    llm = LLM(default_model_dir, precompile=False, max_model_len=1024, num_kv_blocks=512)
+    llm = LLM(default_model_dir, precompile=False, **DEFAULT_MODEL_LIMITS)
     with ServerThread(llm, "smollm2", tool_call_parser="hermes") as server:
         yield server
 
